@@ -1,0 +1,301 @@
+"""The GNMR controller: an optax transform that outputs a per-unit recovery mask.
+
+GNMR (Gradient Norm-to-Mean Ratio, arXiv 2606.00539) watches every recoverable
+unit u (a projection matrix, or one layer's slice of a layer-stacked matrix) and
+picks, under a hard budget, the few that run the high-fidelity recovery path on
+the next step. At step t = 1, 2, ...:
+
+  n_t      = ||g_t||_F in float32
+  GNMR_t   = n_t / mean(n_1 .. n_{t-1})                (1 with no history)
+  dGNMR_t  = GNMR_t / mean(GNMR_{t-1} .. GNMR_{t-delta}) (fewer while fewer exist; 1 with none)
+  risky    = GNMR_t > alpha_t  or  dGNMR_t > beta_t  or  n_t not finite
+  r        = max(GNMR_t / alpha_t, dGNMR_t / beta_t)     (+inf for a non-finite norm)
+  cand     = risky or lock > 0
+  mask     = top max_o candidates by r (ties: first unit in tree order)
+  lock     = t_lock if selected and risky; lock - 1 if calm and lock > 0; else unchanged
+
+Edge rules (this project's reading of the paper):
+  * Only finite values enter the statistics: a non-finite norm is added neither
+    to the running mean nor to the window, and a GNMR that is +inf (a non-zero
+    norm after an all-zero history) is not added to the window. The history
+    therefore stays finite whatever the gradients do.
+  * Ratios with a zero denominator: 0/0 = 1 (calm), x/0 = +inf for x > 0.
+  * For t <= warmup the statistics accumulate but the mask stays all False and
+    no lock is set.
+  * The mask computed at step t is the recovery mask for step t + 1. A single
+    isolated spike at step t, with no competition for the budget, gives a mask
+    that is True at steps t .. t + t_lock (t_lock + 1 steps).
+  * alpha and beta may be optax schedules; they are evaluated at the number of
+    updates done before this one (0 on the first update), like optax schedules.
+
+The transform passes updates through unchanged, so it chains anywhere; put it
+first so that it sees the raw gradients.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, NamedTuple, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gnmr_jax import units as units_lib
+
+ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
+
+
+class GNMRTelemetry(NamedTuple):
+  """Per-step counts, cheap to fetch for logging (all int32 scalars)."""
+  num_units: jax.Array        # number of recoverable units (constant)
+  num_risky: jax.Array        # units over a threshold (or non-finite) this step
+  num_candidates: jax.Array   # risky or locked units this step
+  num_active: jax.Array       # units in the mask for the next step (<= max_o)
+  num_locked: jax.Array       # units with lock > 0 after this step
+  num_nonfinite: jax.Array    # units whose gradient norm was NaN/Inf this step
+  active_unit_steps: jax.Array  # cumulative sum of num_active over all steps
+  risky_unit_steps: jax.Array   # cumulative sum of num_risky over all steps
+
+
+class GNMRState(NamedTuple):
+  """State of :func:`gnmr`.
+
+  Per-unit fields mirror the params tree; each leaf has shape () or (L,) for
+  layer-stacked leaves (``window`` adds a trailing (delta,) axis). Leaves that
+  are not recoverable units hold scalar False/0.
+  """
+  count: jax.Array        # int32 []: number of updates done
+  mask: Any               # bool: recovery mask for the next step
+  lock: Any               # int32: remaining lock steps
+  gnmr: Any               # float32: GNMR_t of the last step (+inf for non-finite norms)
+  delta_gnmr: Any         # float32: dGNMR_t of the last step
+  score: Any              # float32: risk score r of the last step
+  risky: Any              # bool: over a threshold (or non-finite) at the last step
+  norm: Any               # float32: gradient norm of the last step
+  norm_sum: Any           # float32: sum of all finite past norms
+  norm_count: Any         # int32: number of finite past norms
+  window: Any             # float32 [..., delta]: ring buffer of the last finite GNMR values
+  window_count: Any       # int32: number of GNMR values ever written to the window
+  telemetry: GNMRTelemetry
+
+
+def _check_positive(name, value):
+  if callable(value):
+    return
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise ValueError(f"gnmr: `{name}` must be a positive float or an optax schedule, "
+                     f"got {value!r}.")
+  if not value > 0 or value != value or value == float("inf"):
+    raise ValueError(f"gnmr: `{name}` must be a finite value > 0, got {value!r}.")
+
+
+def _check_int(name, value, minimum):
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    raise ValueError(f"gnmr: `{name}` must be an integer >= {minimum}, got {value!r}.")
+
+
+def _safe_ratio(num, den):
+  """num / den for num >= 0 with 0/0 = 1 and x/0 = +inf."""
+  safe_den = jnp.where(den > 0, den, 1.0)
+  return jnp.where(den > 0, num / safe_den,
+                   jnp.where(num > 0, jnp.inf, 1.0)).astype(jnp.float32)
+
+
+def _flat(tree, layout, trailing=0):
+  """Concatenates the unit leaves of a per-unit state tree into [N, *trailing]."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  parts = []
+  for leaf, info in zip(leaves, layout):
+    if info.is_unit:
+      parts.append(jnp.reshape(leaf, (info.num_units,) + leaf.shape[leaf.ndim - trailing:]))
+  if not parts:
+    return None
+  return jnp.concatenate(parts, axis=0)
+
+
+def _unflat(vec, layout, treedef, dtype, trailing_shape=()):
+  """Inverse of _flat: splits [N, ...] back into leaves; non-units get a scalar zero."""
+  leaves, offset = [], 0
+  for info in layout:
+    if info.is_unit:
+      part = vec[offset:offset + info.num_units]
+      leaves.append(jnp.reshape(part, info.unit_shape + tuple(trailing_shape)).astype(dtype))
+      offset += info.num_units
+    else:
+      leaves.append(jnp.zeros((), dtype))
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _eval(value, count):
+  if callable(value):
+    return jnp.asarray(value(count), jnp.float32)
+  return jnp.float32(value)
+
+
+def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: int,
+         t_lock: int, warmup: int = 0, units=None,
+         layer_axis=None) -> optax.GradientTransformationExtraArgs:
+  """GNMR runtime stability controller (see the module docstring for the rules).
+
+  Args:
+    alpha: threshold on GNMR_t (float > 0 or optax schedule of the step).
+    beta: threshold on dGNMR_t (float > 0 or optax schedule of the step).
+    delta: length of the short window of past GNMR values for dGNMR (>= 1).
+    max_o: hard cap on the number of units in the recovery mask (>= 0).
+    t_lock: lock length: a unit selected while risky stays a candidate for
+      t_lock more steps (>= 0).
+    warmup: number of first steps during which statistics accumulate but the
+      mask stays all False (>= 0).
+    units: which leaves are recoverable: None (every leaf with ndim >= 2), a
+      regex searched in the '/'-joined key path (e.g.
+      ``r'(attn|mlp)/\\w+/kernel'``), or a callable ``(path, leaf) -> bool``.
+    layer_axis: for layer-stacked leaves: None, a regex (matching leaves are
+      split along axis 0), or a callable ``(path, leaf) -> int | None``. Each
+      slice along that axis is its own unit.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` that passes updates through
+    unchanged and keeps a :class:`GNMRState`.
+
+  Raises:
+    ValueError: for invalid arguments (at construction) or a regex that
+      matches no leaf (at init), always before any tracing.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, gnmr_jax
+    >>> tx = optax.chain(gnmr_jax.gnmr(alpha=3.0, beta=2.0, delta=4, max_o=1, t_lock=2),
+    ...                  optax.adamw(1e-3))
+    >>> params = {'w': jnp.ones((4, 4)), 'b': jnp.zeros(4)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({'w': jnp.ones((4, 4)), 'b': jnp.ones(4)}, state, params)
+    >>> bool(gnmr_jax.recovery_mask(state)['w']), gnmr_jax.recovery_mask(state)['b'].dtype
+    (False, dtype('bool'))
+  """
+  _check_positive("alpha", alpha)
+  _check_positive("beta", beta)
+  _check_int("delta", delta, 1)
+  _check_int("max_o", max_o, 0)
+  _check_int("t_lock", t_lock, 0)
+  _check_int("warmup", warmup, 0)
+  unit_selector = units_lib.compile_selector(units, "units")
+  axis_selector = units_lib.compile_selector(layer_axis, "layer_axis")
+
+  def layout_of(tree):
+    return units_lib.resolve_units(tree, unit_selector, axis_selector)
+
+  def init_fn(params):
+    layout = layout_of(params)
+    treedef = jax.tree_util.tree_structure(params)
+    num_units = sum(u.num_units for u in layout)
+
+    def per_unit(dtype, trailing=()):
+      leaves = [jnp.zeros(u.unit_shape + tuple(trailing) if u.is_unit else (), dtype)
+                for u in layout]
+      return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    zero = jnp.zeros((), jnp.int32)
+    return GNMRState(
+        count=zero, mask=per_unit(jnp.bool_), lock=per_unit(jnp.int32),
+        gnmr=per_unit(jnp.float32), delta_gnmr=per_unit(jnp.float32),
+        score=per_unit(jnp.float32), risky=per_unit(jnp.bool_),
+        norm=per_unit(jnp.float32), norm_sum=per_unit(jnp.float32),
+        norm_count=per_unit(jnp.int32), window=per_unit(jnp.float32, (delta,)),
+        window_count=per_unit(jnp.int32),
+        telemetry=GNMRTelemetry(jnp.asarray(num_units, jnp.int32), *([zero] * 7)))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    layout = layout_of(updates)
+    if not any(u.is_unit for u in layout):
+      return updates, state._replace(count=state.count + 1)
+    step = state.count + 1
+    alpha_t = _eval(alpha, state.count)
+    beta_t = _eval(beta, state.count)
+
+    norm = jnp.concatenate([jnp.reshape(n, (-1,)) for n in units_lib.unit_norms(leaves, layout)])
+    norm_sum = _flat(state.norm_sum, layout)
+    norm_count = _flat(state.norm_count, layout)
+    window = _flat(state.window, layout, trailing=1)
+    window_count = _flat(state.window_count, layout)
+    lock = _flat(state.lock, layout)
+
+    finite = jnp.isfinite(norm)
+    hist_mean = norm_sum / jnp.maximum(norm_count, 1).astype(jnp.float32)
+    ratio = _safe_ratio(jnp.where(finite, norm, 0.0), hist_mean)
+    ratio = jnp.where(norm_count > 0, ratio, 1.0)
+    ratio = jnp.where(finite, ratio, jnp.inf)
+    window_len = jnp.minimum(window_count, delta)
+    window_mean = jnp.sum(window, axis=-1) / jnp.maximum(window_len, 1).astype(jnp.float32)
+    delta_ratio = _safe_ratio(jnp.where(finite, ratio, 0.0), window_mean)
+    delta_ratio = jnp.where(window_len > 0, delta_ratio, 1.0)
+    delta_ratio = jnp.where(finite, delta_ratio, jnp.inf)
+
+    risky = (ratio > alpha_t) | (delta_ratio > beta_t) | ~finite
+    score = jnp.where(finite, jnp.maximum(ratio / alpha_t, delta_ratio / beta_t), jnp.inf)
+    candidate = risky | (lock > 0)
+    # Top max_o candidates by score; a stable sort keeps tree order among ties.
+    key = jnp.where(candidate, -score, jnp.inf)
+    order = jnp.argsort(key, stable=True)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    selected = candidate & (rank < max_o) & (step > warmup)
+    new_lock = jnp.where(selected & risky, t_lock,
+                         jnp.where(~risky & (lock > 0), lock - 1, lock)).astype(jnp.int32)
+
+    # Only finite values enter the history (see "Edge rules" above).
+    new_norm_sum = norm_sum + jnp.where(finite, norm, 0.0)
+    new_norm_count = norm_count + finite.astype(jnp.int32)
+    add_to_window = jnp.isfinite(ratio)
+    slot = jax.nn.one_hot(window_count % delta, delta, dtype=jnp.bool_) & add_to_window[:, None]
+    new_window = jnp.where(slot, ratio[:, None], window)
+    new_window_count = window_count + add_to_window.astype(jnp.int32)
+
+    def count(x):
+      return jnp.sum(x, dtype=jnp.int32)
+
+    tel = state.telemetry
+    num_active, num_risky = count(selected), count(risky)
+    telemetry = tel._replace(
+        num_risky=num_risky, num_candidates=count(candidate), num_active=num_active,
+        num_locked=count(new_lock > 0), num_nonfinite=count(~finite),
+        active_unit_steps=tel.active_unit_steps + num_active,
+        risky_unit_steps=tel.risky_unit_steps + num_risky)
+
+    def back(vec, dtype, trailing=()):
+      return _unflat(vec, layout, treedef, dtype, trailing)
+
+    new_state = GNMRState(
+        count=step, mask=back(selected, jnp.bool_), lock=back(new_lock, jnp.int32),
+        gnmr=back(ratio, jnp.float32), delta_gnmr=back(delta_ratio, jnp.float32),
+        score=back(score, jnp.float32), risky=back(risky, jnp.bool_),
+        norm=back(norm, jnp.float32), norm_sum=back(new_norm_sum, jnp.float32),
+        norm_count=back(new_norm_count, jnp.int32),
+        window=back(new_window, jnp.float32, (delta,)),
+        window_count=back(new_window_count, jnp.int32), telemetry=telemetry)
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _find_states(opt_state) -> list[GNMRState]:
+  return [x for x in jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, GNMRState)) if isinstance(x, GNMRState)]
+
+
+def controller_state(opt_state) -> GNMRState:
+  """Finds the GNMRState anywhere inside a (chained, nested, masked) optax state.
+
+  Raises:
+    ValueError: if there is no GNMRState, or more than one.
+  """
+  found = _find_states(opt_state)
+  if len(found) != 1:
+    raise ValueError(f"gnmr_jax: expected exactly one GNMRState in the optimizer state, "
+                     f"found {len(found)}; chain gnmr_jax.gnmr(...) into the optimizer once.")
+  return found[0]
+
+
+def recovery_mask(opt_state):
+  """The recovery mask tree (bool, mirrors params) for the next step, from an optax state."""
+  return controller_state(opt_state).mask

@@ -1,0 +1,142 @@
+"""Which leaves of a parameter tree are recoverable units, and their gradient norms.
+
+A *recoverable unit* is one projection matrix (one leaf), or one slice of a
+layer-stacked leaf along its layer axis (Flax ``nn.scan`` stacks per-layer
+params into one leaf of shape ``[L, ...]``; each of the ``L`` slices is its
+own unit). Unit selection is static: it depends only on key paths and shapes,
+never on values, so it is resolved in Python at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+UnitSelector = Union[None, str, Callable[[str, Any], bool]]
+LayerAxisSelector = Union[None, str, Callable[[str, Any], Optional[int]]]
+
+
+def path_to_str(path: Sequence[Any]) -> str:
+  """Joins a JAX key path with '/' (``('params', 'layers', 'q')`` -> ``'params/layers/q'``)."""
+  parts = []
+  for key in path:
+    if isinstance(key, jax.tree_util.DictKey):
+      parts.append(str(key.key))
+    elif isinstance(key, jax.tree_util.GetAttrKey):
+      parts.append(str(key.name))
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      parts.append(str(key.idx))
+    elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+      parts.append(str(key.key))
+    else:
+      parts.append(str(key))
+  return "/".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafUnits:
+  """How one leaf maps to units.
+
+  Attributes:
+    path: '/'-joined key path of the leaf.
+    is_unit: whether the leaf holds recoverable units.
+    layer_axis: axis whose slices are separate units, or None (the leaf is one unit).
+    unit_shape: shape of the per-unit state leaf: () or (L,). () for non-units too.
+  """
+
+  path: str
+  is_unit: bool
+  layer_axis: Optional[int]
+  unit_shape: tuple[int, ...]
+
+  @property
+  def num_units(self) -> int:
+    if not self.is_unit:
+      return 0
+    return self.unit_shape[0] if self.unit_shape else 1
+
+
+def compile_selector(selector, what: str):
+  """Turns a regex string into a predicate; validates callables. Raises ValueError."""
+  if selector is None or callable(selector):
+    return selector
+  if isinstance(selector, str):
+    try:
+      pattern = re.compile(selector)
+    except re.error as e:
+      raise ValueError(f"gnmr: `{what}` is not a valid regular expression "
+                       f"({selector!r}: {e}).") from e
+    return pattern
+  raise ValueError(f"gnmr: `{what}` must be None, a regex string or a callable "
+                   f"(path, leaf) -> ..., got {type(selector).__name__}.")
+
+
+def resolve_units(tree, units, layer_axis) -> list[LeafUnits]:
+  """Resolves the unit layout of every leaf of ``tree`` (in tree order).
+
+  Args:
+    tree: params or updates (arrays or ShapeDtypeStructs).
+    units: None (every leaf with ndim >= 2), a compiled regex searched in the
+      '/'-joined key path, or a callable ``(path, leaf) -> bool``.
+    layer_axis: None, a compiled regex (matching leaves use axis 0), or a
+      callable ``(path, leaf) -> int | None``.
+
+  Returns:
+    One LeafUnits per leaf.
+
+  Raises:
+    ValueError: a regex that matches no leaf, or a layer axis out of range.
+  """
+  leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+  layout = []
+  for path, leaf in leaves_with_path:
+    name = path_to_str(path)
+    ndim = len(jnp.shape(leaf))
+    if units is None:
+      is_unit = ndim >= 2
+    elif isinstance(units, re.Pattern):
+      is_unit = units.search(name) is not None
+    else:
+      is_unit = bool(units(name, leaf))
+    axis = None
+    if is_unit and layer_axis is not None:
+      if isinstance(layer_axis, re.Pattern):
+        axis = 0 if layer_axis.search(name) is not None else None
+      else:
+        axis = layer_axis(name, leaf)
+      if axis is not None:
+        if not -ndim <= axis < ndim:
+          raise ValueError(f"gnmr: layer_axis {axis} is out of range for leaf "
+                           f"{name!r} of shape {tuple(jnp.shape(leaf))}.")
+        axis = axis % ndim
+    unit_shape = (int(jnp.shape(leaf)[axis]),) if axis is not None else ()
+    layout.append(LeafUnits(name, is_unit, axis, unit_shape))
+  if isinstance(units, re.Pattern) and not any(u.is_unit for u in layout):
+    raise ValueError(f"gnmr: `units` regex {units.pattern!r} matches no leaf; "
+                     f"leaf paths are e.g. {[u.path for u in layout[:5]]}.")
+  if isinstance(layer_axis, re.Pattern) and not any(
+      u.layer_axis is not None for u in layout):
+    raise ValueError(f"gnmr: `layer_axis` regex {layer_axis.pattern!r} matches no "
+                     f"recoverable leaf; leaf paths are e.g. "
+                     f"{[u.path for u in layout if u.is_unit][:5]}.")
+  return layout
+
+
+def unit_norms(leaves: Sequence[jax.Array], layout: Sequence[LeafUnits]) -> list[jax.Array]:
+  """L2 (Frobenius) norm of each unit's gradient in float32, one array per unit leaf.
+
+  A unit leaf with a layer axis gives a vector of L norms (reduction over all
+  other axes); a plain unit leaf gives a scalar. Non-unit leaves are skipped.
+  """
+  norms = []
+  for leaf, info in zip(leaves, layout):
+    if not info.is_unit:
+      continue
+    g = jnp.asarray(leaf).astype(jnp.float32)
+    axes = tuple(a for a in range(g.ndim) if a != info.layer_axis)
+    norms.append(jnp.sqrt(jnp.sum(jnp.square(g), axis=axes)))
+  return norms
