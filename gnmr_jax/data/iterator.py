@@ -21,15 +21,22 @@ import numpy as np
 STATE_KEYS = ('epoch', 'step_in_epoch', 'seed', 'seq_len', 'global_batch_size')
 
 
-def sequential_batches(tokens, seq_len: int, global_batch_size: int,
-                       num_batches: int, process_index: int = 0,
-                       process_count: int = 1) -> list[dict[str, np.ndarray]]:
-  """The first `num_batches` global batches of consecutive windows (no shuffle)."""
+def spread_batches(tokens, seq_len: int, global_batch_size: int,
+                   num_batches: int, process_index: int = 0,
+                   process_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """`num_batches` fixed global batches of windows spread evenly over `tokens`.
+
+  Window k of the num_batches * B chosen starts at position
+  S * floor(k * W / (num_batches * B)), W = number of windows, so evaluation
+  covers the whole split rather than its first document.
+  """
   local = global_batch_size // process_count
+  total = num_batches * global_batch_size
+  windows = (np.arange(total) * num_windows(len(tokens), seq_len)) // total
   batches = []
   for b in range(num_batches):
-    rows = b * global_batch_size + process_index * local + np.arange(local)
-    batches.append(_gather(tokens, rows * seq_len, seq_len))
+    first = b * global_batch_size + process_index * local
+    batches.append(_gather(tokens, windows[first:first + local] * seq_len, seq_len))
   return batches
 
 

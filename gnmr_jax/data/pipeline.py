@@ -138,10 +138,10 @@ class Data:
           f'batches of data.batch_size={config.batch_size} x data.seq_len='
           f'{config.seq_len}, but data.eval_split={config.eval_split!r} holds '
           f'{len(eval_tokens)} tokens ({available} batches).')
-    self._eval_batches = iterator_lib.sequential_batches(
+    self._eval_batches = iterator_lib.spread_batches(
         eval_tokens, config.seq_len, config.batch_size, num_eval,
         process_index, process_count)
-    global_targets = iterator_lib.sequential_batches(
+    global_targets = iterator_lib.spread_batches(
         eval_tokens, config.seq_len, config.batch_size, num_eval)
     self.unigram_perplexity = unigram_perplexity(
         train_tokens, np.stack([b['targets'] for b in global_targets]),
