@@ -194,15 +194,17 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
                 for u in layout]
       return jax.tree_util.tree_unflatten(treedef, leaves)
 
-    zero = jnp.zeros((), jnp.int32)
+    def zero():  # a fresh buffer each time, so the state can be donated
+      return jnp.zeros((), jnp.int32)
+
     return GNMRState(
-        count=zero, mask=per_unit(jnp.bool_), lock=per_unit(jnp.int32),
+        count=zero(), mask=per_unit(jnp.bool_), lock=per_unit(jnp.int32),
         gnmr=per_unit(jnp.float32), delta_gnmr=per_unit(jnp.float32),
         score=per_unit(jnp.float32), risky=per_unit(jnp.bool_),
         norm=per_unit(jnp.float32), norm_sum=per_unit(jnp.float32),
         norm_count=per_unit(jnp.int32), window=per_unit(jnp.float32, (delta,)),
         window_count=per_unit(jnp.int32),
-        telemetry=GNMRTelemetry(jnp.asarray(num_units, jnp.int32), *([zero] * 7)))
+        telemetry=GNMRTelemetry(jnp.asarray(num_units, jnp.int32), *(zero() for _ in range(7))))
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
