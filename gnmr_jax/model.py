@@ -1,0 +1,320 @@
+"""LLaMA-2 decoder whose projections run through a (possibly routed) precision policy.
+
+Architecture: token embedding -> num_layers x [RMSNorm -> causal (grouped-query)
+attention with rotary embeddings -> residual; RMSNorm -> SwiGLU MLP -> residual]
+-> RMSNorm -> untied output head. No biases. Blocks are stacked with `nn.scan`,
+so every block param has a leading [num_layers] axis (`LAYER_AXIS`).
+
+Each of the seven projections (attn/q, k, v, o and mlp/gate, up, down) computes
+`policy.dot(x, kernel, recover)`; one (layer, projection) pair is one GNMR unit.
+The controller's recovery mask holds one bool[num_layers] leaf per projection
+kernel; the model feeds those leaves to `nn.scan` as scan inputs, so inside a
+block each projection receives a bool[] scalar and `lax.cond` predicates are
+never batched. With `config.scan_unroll == num_layers` the scan is fully
+unrolled (no while loop), which is where per-unit routing is free on a GPU
+(see /work/shared/reference/gpu-anchors.md).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from gnmr_jax.model_configs import model_config
+  >>> class F32Policy:
+  ...   routed = False
+  ...   def dot(self, x, kernel, recover=None):
+  ...     return jnp.dot(x, kernel.astype(x.dtype))
+  >>> model = Transformer(model_config('tiny'), F32Policy())
+  >>> tokens = jnp.zeros((2, 16), jnp.int32)
+  >>> params = model.init(jax.random.key(0), tokens)['params']
+  >>> model.apply({'params': params}, tokens).shape
+  (2, 16, 256)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax.core import meta
+
+from gnmr_jax.model_configs import validate_model_config
+
+# Projection names per sub-module; each owns a `kernel` of shape [d_in, d_out]
+# per layer ([num_layers, d_in, d_out] stacked).
+PROJECTIONS = {'attn': ('q', 'k', 'v', 'o'), 'mlp': ('gate', 'up', 'down')}
+# Matches exactly the 7 projection kernels, with or without a 'params/' prefix,
+# under re.search or re.fullmatch on '/'-joined paths.
+PROJECTION_UNITS_REGEX = (
+    r'(?:^|.*/)layers/(?:attn/(?:q|k|v|o)|mlp/(?:gate|up|down))/kernel$')
+# Axis of the stacked projection kernels (and of their mask leaves) that
+# indexes the layer.
+LAYER_AXIS = 0
+
+_REMAT_POLICIES = {
+    'full': jax.checkpoint_policies.nothing_saveable,
+    'dots_saveable': jax.checkpoint_policies.dots_saveable,
+    'dots_with_no_batch_dims_saveable':
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'everything_saveable': jax.checkpoint_policies.everything_saveable,
+}
+
+Array = jax.Array
+Policy = Any  # PrecisionPolicy: `.routed: bool`, `.dot(x, kernel, recover=None)`.
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[Array, Array]:
+  """Rotary sin/cos tables, float32 [seq_len, head_dim // 2].
+
+  angle[p, i] = p * theta ** (-2i / head_dim).
+  """
+  inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x_BxSxHxD: Array, sin_SxF: Array, cos_SxF: Array) -> Array:
+  """Rotates feature pairs (i, i + D/2) of each head by the position angle.
+
+  (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), computed in float32.
+  """
+  x = x_BxSxHxD.astype(jnp.float32)
+  x1, x2 = jnp.split(x, 2, axis=-1)
+  sin, cos = sin_SxF[:, None, :], cos_SxF[:, None, :]
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x_BxSxHxD.dtype)
+
+
+def projection_recover_bits(recovery_mask: Any, num_layers: int) -> dict:
+  """Picks the 7 projection mask leaves out of the controller's mask tree.
+
+  Args:
+    recovery_mask: bool tree mirroring `{'params': p}` or `p`.
+    num_layers: expected length of each projection leaf.
+
+  Returns:
+    {'attn': {'q': bool[L], ...}, 'mlp': {'gate': bool[L], ...}}.
+
+  Raises:
+    ValueError: a projection leaf is missing or not of shape [num_layers].
+  """
+  tree = meta.unbox(recovery_mask)
+  if 'params' in tree and 'layers' not in tree:
+    tree = tree['params']
+  bits = {}
+  for group, names in PROJECTIONS.items():
+    bits[group] = {}
+    for name in names:
+      try:
+        leaf = tree['layers'][group][name]['kernel']
+      except (KeyError, TypeError) as e:
+        raise ValueError(
+            f'recovery_mask has no leaf layers/{group}/{name}/kernel') from e
+      leaf = jnp.asarray(leaf)
+      if leaf.shape != (num_layers,):
+        raise ValueError(
+            f'recovery_mask leaf layers/{group}/{name}/kernel must have shape '
+            f'({num_layers},), got {leaf.shape}')
+      bits[group][name] = leaf.astype(jnp.bool_)
+  return bits
+
+
+class RMSNorm(nn.Module):
+  """y = x / sqrt(mean(x^2) + eps) * scale, computed in float32."""
+  eps: float
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = self.param(
+        'scale', nn.with_logical_partitioning(nn.initializers.ones, ('norm',)),
+        (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+class Projection(nn.Module):
+  """A bias-free projection through the precision policy: policy.dot(x, kernel)."""
+  features: int
+  kernel_axes: tuple[str, str]
+  init_std: float
+  policy: Policy
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, x: Array, recover: Array | None = None) -> Array:
+    kernel = self.param(
+        'kernel',
+        nn.with_logical_partitioning(
+            nn.initializers.normal(self.init_std), self.kernel_axes),
+        (x.shape[-1], self.features), self.param_dtype)
+    # The float32 master kernel goes to the policy: it owns the operand casts.
+    return self.policy.dot(x, kernel, recover=recover)
+
+
+def _dtypes(config) -> tuple[Any, Any]:
+  return jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+
+
+class Attention(nn.Module):
+  """Causal multi-head / grouped-query attention with rotary embeddings."""
+  config: ml_collections.ConfigDict
+  policy: Policy
+
+  @nn.compact
+  def __call__(self, x_BxSxD: Array, rope: tuple[Array, Array], bits: dict) -> Array:
+    cfg = self.config
+    dtype, param_dtype = _dtypes(cfg)
+    batch, seq_len, d_model = x_BxSxD.shape
+    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+    head_dim, group = d_model // heads, heads // kv_heads
+    out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+    def proj(name, features, axes, std, x):
+      return Projection(features, axes, std, self.policy, param_dtype,
+                        name=name)(x, bits.get(name))
+
+    q = proj('q', heads * head_dim, ('embed', 'heads'), cfg.init_std, x_BxSxD)
+    k = proj('k', kv_heads * head_dim, ('embed', 'kv_heads'), cfg.init_std, x_BxSxD)
+    v = proj('v', kv_heads * head_dim, ('embed', 'kv_heads'), cfg.init_std, x_BxSxD)
+    q_BxSxHxD = nn.with_logical_constraint(
+        q.reshape(batch, seq_len, heads, head_dim),
+        ('batch', 'length', 'heads', 'head_dim'))
+    kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
+    k_BxSxKxD = nn.with_logical_constraint(
+        k.reshape(batch, seq_len, kv_heads, head_dim), kv_axes)
+    v_BxSxKxD = nn.with_logical_constraint(
+        v.reshape(batch, seq_len, kv_heads, head_dim), kv_axes)
+    q_BxSxHxD = apply_rope(q_BxSxHxD, *rope)
+    k_BxSxKxD = apply_rope(k_BxSxKxD, *rope)
+
+    # Query head h uses kv head h // group.
+    q_BxSxKxGxD = q_BxSxHxD.reshape(batch, seq_len, kv_heads, group, head_dim)
+    scores_BxKxGxSxT = jnp.einsum(
+        'bskgd,btkd->bkgst', q_BxSxKxGxD, k_BxSxKxD,
+        preferred_element_type=jnp.float32) * (head_dim ** -0.5)
+    causal_SxT = jnp.tril(jnp.ones((seq_len, seq_len), jnp.bool_))
+    scores_BxKxGxSxT = jnp.where(
+        causal_SxT, scores_BxKxGxSxT, jnp.finfo(jnp.float32).min)
+    probs_BxKxGxSxT = jax.nn.softmax(scores_BxKxGxSxT, axis=-1).astype(dtype)
+    out_BxSxKxGxD = jnp.einsum('bkgst,btkd->bskgd', probs_BxKxGxSxT, v_BxSxKxD)
+    out_BxSxHD = nn.with_logical_constraint(
+        out_BxSxKxGxD.reshape(batch, seq_len, heads * head_dim),
+        ('batch', 'length', 'heads'))
+    return proj('o', d_model, ('heads', 'embed'), out_std, out_BxSxHD)
+
+
+class Mlp(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  config: ml_collections.ConfigDict
+  policy: Policy
+
+  @nn.compact
+  def __call__(self, x_BxSxD: Array, bits: dict) -> Array:
+    cfg = self.config
+    _, param_dtype = _dtypes(cfg)
+    out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+    def proj(name, features, axes, std, x):
+      return Projection(features, axes, std, self.policy, param_dtype,
+                        name=name)(x, bits.get(name))
+
+    gate = proj('gate', cfg.ffn_dim, ('embed', 'mlp'), cfg.init_std, x_BxSxD)
+    up = proj('up', cfg.ffn_dim, ('embed', 'mlp'), cfg.init_std, x_BxSxD)
+    hidden_BxSxF = nn.with_logical_constraint(
+        nn.silu(gate) * up, ('batch', 'length', 'mlp'))
+    return proj('down', cfg.d_model, ('mlp', 'embed'), out_std, hidden_BxSxF)
+
+
+class Block(nn.Module):
+  """One pre-norm decoder block; the nn.scan body (carry = residual stream)."""
+  config: ml_collections.ConfigDict
+  policy: Policy
+
+  @nn.compact
+  def __call__(self, x_BxSxD: Array, bits: dict | None,
+               rope: tuple[Array, Array]) -> tuple[Array, None]:
+    cfg = self.config
+    dtype, param_dtype = _dtypes(cfg)
+    bits = bits or {'attn': {}, 'mlp': {}}
+    residual_axes = ('batch', 'length', 'embed')
+    h = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='attn_norm')(x_BxSxD)
+    x_BxSxD = x_BxSxD + Attention(cfg, self.policy, name='attn')(h, rope, bits['attn'])
+    x_BxSxD = nn.with_logical_constraint(x_BxSxD, residual_axes)
+    h = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='mlp_norm')(x_BxSxD)
+    x_BxSxD = x_BxSxD + Mlp(cfg, self.policy, name='mlp')(h, bits['mlp'])
+    return nn.with_logical_constraint(x_BxSxD, residual_axes), None
+
+
+class Transformer(nn.Module):
+  """LLaMA-2 decoder: tokens int32[B, S] -> logits float32[B, S, vocab_size].
+
+  Attributes:
+    config: a model config (see gnmr_jax.model_configs.model_config).
+    policy: precision policy with `.routed` and `.dot(x, kernel, recover=None)`.
+  """
+  config: ml_collections.ConfigDict
+  policy: Policy
+
+  @nn.compact
+  def __call__(self, tokens: Array, recovery_mask: Any = None) -> Array:
+    """Forward pass.
+
+    Args:
+      tokens: int32[B, S] token ids, S <= config.max_seq_len.
+      recovery_mask: the controller's bool mask tree for `{'params': p}` or `p`,
+        or None. Used only when `policy.routed`; otherwise no cond is emitted.
+
+    Returns:
+      float32[B, S, vocab_size] logits.
+    """
+    cfg = self.config
+    validate_model_config(cfg)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(
+          f'tokens must be an integer array [batch, seq], got {tokens.dtype}{tokens.shape}')
+    if tokens.shape[1] > cfg.max_seq_len:
+      raise ValueError(
+          f'sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}')
+    dtype, param_dtype = _dtypes(cfg)
+    bits = None
+    if self.policy.routed and recovery_mask is not None:
+      bits = projection_recover_bits(recovery_mask, cfg.num_layers)
+
+    x_BxSxD = nn.Embed(
+        cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
+        embedding_init=nn.with_logical_partitioning(
+            nn.initializers.normal(cfg.init_std), ('vocab', 'embed')),
+        name='embed')(tokens)
+    x_BxSxD = nn.with_logical_constraint(x_BxSxD, ('batch', 'length', 'embed'))
+    rope = rope_tables(tokens.shape[1], cfg.d_model // cfg.num_heads, cfg.rope_theta)
+
+    block = Block
+    remat = {True: 'full', False: 'none'}.get(cfg.remat, cfg.remat)
+    if remat != 'none':
+      # prevent_cse is unnecessary under scan and blocks optimisations.
+      block = nn.remat(block, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+    blocks = nn.scan(
+        block,
+        variable_axes={'params': LAYER_AXIS},
+        split_rngs={'params': True},
+        in_axes=(0, nn.broadcast),
+        length=cfg.num_layers,
+        unroll=cfg.scan_unroll if cfg.scan_layers else cfg.num_layers,
+        metadata_params={nn.PARTITION_NAME: 'layers'},
+    )(cfg, self.policy, name='layers')
+    x_BxSxD, _ = blocks(x_BxSxD, bits, rope)
+
+    x_BxSxD = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='final_norm')(x_BxSxD)
+    head = self.param(
+        'lm_head',
+        nn.with_logical_partitioning(
+            nn.initializers.normal(cfg.d_model ** -0.5), ('embed', 'vocab')),
+        (cfg.d_model, cfg.vocab_size), param_dtype)
+    logits_BxSxV = jnp.einsum(
+        'bsd,dv->bsv', x_BxSxD, head.astype(dtype),
+        preferred_element_type=jnp.float32)
+    return nn.with_logical_constraint(logits_BxSxV, ('batch', 'length', 'vocab'))
