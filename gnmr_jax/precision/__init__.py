@@ -1,0 +1,23 @@
+"""Precision paths and routed execution for GNMR.
+
+``make_policy(config)`` builds a ``PrecisionPolicy`` whose ``dot`` runs each unit
+on the low-cost path, or (mode='gnmr') on ``lax.cond(recover, recovery, low_cost)``.
+Paths: 'bf16' (recovery/reference), 'int8', 'fp8', 'saved_activation', 'blockwise';
+add one with ``register_path(name, builder)``.
+"""
+
+# Importing a path module registers it.
+from gnmr_jax.precision import bf16 as bf16
+from gnmr_jax.precision import blockwise as blockwise
+from gnmr_jax.precision import fp8 as fp8
+from gnmr_jax.precision import int8 as int8
+from gnmr_jax.precision import saved_activation as saved_activation
+from gnmr_jax.precision.config import default_precision_config as default_precision_config
+from gnmr_jax.precision.config import validate_config as validate_config
+from gnmr_jax.precision.policy import make_policy as make_policy
+from gnmr_jax.precision.policy import PrecisionPolicy as PrecisionPolicy
+from gnmr_jax.precision.registry import available_paths as available_paths
+from gnmr_jax.precision.registry import register_path as register_path
+from gnmr_jax.precision.path import Path as Path
+from gnmr_jax.precision.path import path_dot as path_dot
+from gnmr_jax.precision.routing import routed_dot as routed_dot

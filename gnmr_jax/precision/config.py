@@ -1,0 +1,75 @@
+"""Precision config: the defaults and their up-front validation."""
+
+from __future__ import annotations
+
+import ml_collections
+
+from gnmr_jax.precision import registry, saved_activation
+
+MODES = ('static', 'gnmr')
+
+
+def default_precision_config() -> ml_collections.ConfigDict:
+  """Default precision config (GNMR routing between int8 and bf16).
+
+  ``mode='static', low_cost_path='bf16'`` is the bf16 reference.
+
+  Returns:
+    A ``ConfigDict``; ``make_policy`` validates it.
+  """
+  config = ml_collections.ConfigDict()
+  # 'static': every unit runs low_cost_path; 'gnmr': each unit runs
+  # lax.cond(recover, recovery_path, low_cost_path) on its recovery-mask bit.
+  config.mode = 'gnmr'
+  # Registered path for units that are not recovered: 'bf16', 'int8', 'fp8',
+  # 'saved_activation', 'blockwise', or any name given to register_path.
+  config.low_cost_path = 'int8'
+  # Registered path for recovered units (mode='gnmr' only). With
+  # low_cost_path='saved_activation', use 'saved_activation' here to store the
+  # recovered units at recovery_saved_activation_bits in the same residual slots.
+  config.recovery_path = 'bf16'
+  # Bits of the saved activation on the low-cost saved_activation path (2..8).
+  config.saved_activation_bits = 4
+  # Bits of the saved activation on the recovery saved_activation path (2..8,
+  # or 16 for the exact bf16 value).
+  config.recovery_saved_activation_bits = 8
+  # Stochastic instead of round-to-nearest codes for saved activations.
+  config.stochastic_rounding = False
+  # Bits of the integer grid of the blockwise (DeepSeek-V3-style) path (2..8).
+  config.block_bits = 8
+  # Tile length (activations, 1 x block_size) and block side (weights,
+  # block_size x block_size) of the blockwise path.
+  config.block_size = 128
+  # How many layers a scanned model unrolls per loop iteration when routed
+  # (0 = all of them). Conditionals inside a scanned loop cost +14..18% step time
+  # on an H200; unrolled they cost +0.3%. Read it through policy.scan_unroll(L).
+  config.routed_scan_unroll = 0
+  return config
+
+
+def _check_choice(config, field, valid):
+  value = config[field]
+  if value not in valid:
+    raise ValueError(f'precision config field {field!r} must be one of {tuple(valid)}, '
+                     f'got {value!r}.')
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the first invalid field and its allowed values."""
+  required = tuple(default_precision_config().keys())
+  missing = [f for f in required if f not in config]
+  if missing:
+    raise ValueError(f'precision config is missing fields {missing}; required: {required}.')
+  _check_choice(config, 'mode', MODES)
+  _check_choice(config, 'low_cost_path', registry.available_paths())
+  _check_choice(config, 'recovery_path', registry.available_paths())
+  _check_choice(config, 'saved_activation_bits', tuple(range(2, 9)))
+  _check_choice(config, 'recovery_saved_activation_bits', saved_activation.VALID_BITS)
+  _check_choice(config, 'stochastic_rounding', (False, True))
+  _check_choice(config, 'block_bits', tuple(range(2, 9)))
+  if not isinstance(config.block_size, int) or config.block_size < 1:
+    raise ValueError(f"precision config field 'block_size' must be a positive int, "
+                     f'got {config.block_size!r}.')
+  if not isinstance(config.routed_scan_unroll, int) or config.routed_scan_unroll < 0:
+    raise ValueError("precision config field 'routed_scan_unroll' must be an int >= 0 "
+                     f'(0 = fully unrolled), got {config.routed_scan_unroll!r}.')

@@ -1,0 +1,61 @@
+"""Registry of precision paths: a path is added by registering one builder.
+
+A builder is ``builder(config, role) -> Path`` where ``config`` is the precision
+``ConfigDict``, ``role`` is ``'low_cost'`` or ``'recovery'`` (a path may store or
+compute differently in each role, e.g. the saved-activation bit width), and the
+``Path`` (path.py) gives the forward and backward legs of
+``dot(x [M, K], kernel [K, N]) -> [M, N]`` (output in ``x.dtype``, ``dx`` in
+``x.dtype``, ``dkernel`` in ``kernel.dtype``). GNMR never imports a
+path: it only sees the policy built from these names.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import ml_collections
+
+from gnmr_jax.precision import path as path_lib
+
+Dot = Callable[[jax.Array, jax.Array], jax.Array]
+PathBuilder = Callable[[ml_collections.ConfigDict, str], 'path_lib.Path']
+
+ROLES = ('low_cost', 'recovery')
+
+_PATHS: dict[str, PathBuilder] = {}
+
+
+def register_path(name: str, builder: PathBuilder) -> PathBuilder:
+  """Registers ``builder`` under ``name`` (later registrations must use new names).
+
+  Args:
+    name: path name used in ``config.low_cost_path`` / ``config.recovery_path``.
+    builder: ``(config, role) -> dot``, see the module docstring.
+
+  Returns:
+    ``builder``, so this can be used as a decorator helper.
+
+  Example:
+    >>> from gnmr_jax.precision import bf16, register_path
+    >>> _ = register_path('my_bf16', lambda config, role: bf16.PATH)
+  """
+  if not isinstance(name, str) or not name:
+    raise ValueError(f'register_path: name must be a non-empty str, got {name!r}.')
+  if name in _PATHS and _PATHS[name] is not builder:
+    raise ValueError(f'register_path: path {name!r} is already registered; '
+                     f'registered paths: {available_paths()}.')
+  _PATHS[name] = builder
+  return builder
+
+
+def available_paths() -> tuple[str, ...]:
+  """Names of the registered paths, sorted."""
+  return tuple(sorted(_PATHS))
+
+
+def get_path(name: str) -> PathBuilder:
+  """The builder registered as ``name``; ValueError listing the valid names otherwise."""
+  if name not in _PATHS:
+    raise ValueError(f'Unknown precision path {name!r}; valid paths: {available_paths()}.')
+  return _PATHS[name]

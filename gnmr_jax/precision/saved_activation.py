@@ -1,0 +1,126 @@
+r"""Saved-activation quantization: bf16 compute, the saved input stored at k bits.
+
+The stress test of the paper. The forward and the input gradient are the bf16
+path; only the activation kept for the weight gradient is stored at k bits
+(per-token absmax scale, round to nearest or stochastic rounding), so
+:math:`\partial W = \hat{x}^T g` uses the dequantized :math:`\hat{x}`.
+
+Storage is real: codes live in 4-bit nibble planes of uint8[M, ceil(K/2)] (one
+plane for k <= 4, two for 5 <= k <= 8, four bit-exact planes for bf16), plus a
+float32[M, 1] scale. Every width uses the same plane shape on purpose: when a
+routed policy differentiates ``lax.cond(recover, 8-bit, 4-bit)``, JAX merges the
+branches' residuals by aval (``_merge_branch_residuals`` in
+jax/_src/lax/control_flow/conditionals.py), so the routed unit stores two planes
+(the larger branch), not a 4-bit copy plus an 8-bit copy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gnmr_jax.precision import path as path_lib
+from gnmr_jax.precision import quantize, registry
+
+BF16_BITS = 16  # `bits` value meaning "store the exact bf16 activation".
+VALID_BITS = tuple(range(2, 9)) + (BF16_BITS,)
+
+
+def _noise_key(x: jax.Array) -> jax.Array:
+  # A key derived from the activation's bits: no key has to be threaded through
+  # the model, and the noise changes whenever the activation does.
+  bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return jax.random.fold_in(jax.random.key(0), jnp.sum(bits, dtype=jnp.uint32))
+
+
+def quantize_activation(x: jax.Array, bits: int, stochastic_rounding: bool = False):
+  r"""Stores x [M, K] at ``bits`` bits per element with a per-token (row) absmax scale.
+
+  :math:`s_m = \max_k |x_{mk}| / (2^{b-1}-1)`, codes
+  :math:`c = \mathrm{clip}(\mathrm{round}(x/s), \pm(2^{b-1}-1))`, or
+  :math:`\lfloor x/s + u \rfloor`, :math:`u \sim U[0,1)` with stochastic rounding
+  (unbiased: :math:`E[c\,s] = x`).
+
+  Args:
+    x: [M, K] activation.
+    bits: 2..8, or 16 for the exact bf16 value (bit planes, no scale rounding).
+    stochastic_rounding: round stochastically instead of to nearest.
+
+  Returns:
+    ``(planes, scale)``: a tuple of uint8[M, ceil(K/2)] nibble planes and the
+    float32[M, 1] scale.
+  """
+  if bits == BF16_BITS:
+    raw = lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    planes = tuple(quantize.pack_nibbles(((raw >> (4 * p)) & 15).astype(jnp.uint8))
+                   for p in range(4))
+    return planes, jnp.ones((x.shape[0], 1), jnp.float32)
+  max_code = 2 ** (bits - 1) - 1
+  scale = quantize.absmax_scale(x, 1, max_code)
+  y = x.astype(jnp.float32) / scale
+  if stochastic_rounding:
+    y = jnp.floor(y + jax.random.uniform(_noise_key(x), y.shape))
+  else:
+    y = jnp.round(y)
+  codes = jnp.clip(y, -max_code, max_code).astype(jnp.int32)
+  return quantize.codes_to_planes(codes, bits), scale
+
+
+def dequantize_activation(planes, scale, bits: int, size: int) -> jax.Array:
+  """Inverse of ``quantize_activation``: float32 [M, size]."""
+  if bits == BF16_BITS:
+    raw = jnp.zeros(planes[0].shape[:-1] + (size,), jnp.uint16)
+    for p, plane in enumerate(planes):
+      raw = raw | (quantize.unpack_nibbles(plane, size).astype(jnp.uint16) << (4 * p))
+    return lax.bitcast_convert_type(raw, jnp.bfloat16).astype(jnp.float32)
+  return quantize.planes_to_codes(planes, bits, size).astype(jnp.float32) * scale
+
+
+def saved_activation_path(bits: int, stochastic_rounding: bool = False) -> path_lib.Path:
+  r"""bf16 dot whose saved activation is stored at ``bits`` bits.
+
+  Forward :math:`y = xW` and :math:`\partial x = gW^T` are bf16 (float32
+  accumulation) with the exact weights; :math:`\partial W = \hat{x}^T g` with
+  :math:`\hat{x}` the dequantized saved activation. Residuals: the nibble planes
+  and the float32[M, 1] scale (plus the kernel); ``x`` itself is not kept.
+
+  Args:
+    bits: 2..8, or 16 for bf16 storage (the recovery choice "in bf16").
+    stochastic_rounding: stochastic instead of round-to-nearest codes.
+
+  Returns:
+    A ``Path``; ``path_lib.path_dot`` of it is the differentiable dot.
+  """
+  if bits not in VALID_BITS:
+    raise ValueError(f'saved-activation bits must be one of {VALID_BITS}, got {bits!r}.')
+
+  def forward(x, kernel):
+    planes, scale = quantize_activation(x, bits, stochastic_rounding)
+    return quantize.bf16_matmul(x, kernel, x.dtype), (planes, scale)
+
+  def backward(residuals, x, kernel, g):
+    del x  # Not saved: the weight gradient uses the dequantized activation.
+    planes, scale = residuals
+    x_hat = dequantize_activation(planes, scale, bits, kernel.shape[0])
+    # The output cotangent g has x's dtype.
+    return (quantize.bf16_matmul(g, kernel.T, g.dtype),
+            quantize.bf16_matmul(x_hat.T, g, kernel.dtype))
+
+  return path_lib.Path(forward=forward, backward=backward, saves_input=False)
+
+
+def make_saved_activation_dot(bits: int, stochastic_rounding: bool = False):
+  """``dot(x [M,K], kernel [K,N])`` of ``saved_activation_path(bits, ...)``."""
+  return path_lib.path_dot(saved_activation_path(bits, stochastic_rounding))
+
+
+def build(config, role):
+  """Registry builder: ``saved_activation_bits`` as the low-cost path,
+  ``recovery_saved_activation_bits`` as the recovery path."""
+  bits = (config.saved_activation_bits if role == 'low_cost'
+          else config.recovery_saved_activation_bits)
+  return saved_activation_path(bits, config.stochastic_rounding)
+
+
+registry.register_path('saved_activation', build)

@@ -1,0 +1,64 @@
+"""A small layer-stacked MLP for tests and benchmarks of routing and memory.
+
+Mirrors how the model calls a policy: params stacked on a leading layer axis,
+``lax.scan`` over layers, the per-layer recovery bit a scan input (never a
+batched predicate), ``unroll`` as the model's scan would get it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gnmr_jax.precision.policy import PrecisionPolicy
+
+
+def init_stack(key: jax.Array, num_layers: int, d_model: int, d_ff: int) -> dict:
+  """float32 master params {'w_in': [L, D, F], 'w_out': [L, F, D]}."""
+  k_in, k_out = jax.random.split(key)
+  return {
+      'w_in': jax.random.normal(k_in, (num_layers, d_model, d_ff)) / d_model ** 0.5,
+      'w_out': jax.random.normal(k_out, (num_layers, d_ff, d_model)) / d_ff ** 0.5,
+  }
+
+
+def stack_apply(policy: PrecisionPolicy, params: dict, x_TxD: jax.Array,
+                recovery_mask: jax.Array | None = None, unroll: int = 1,
+                activation=jax.nn.silu) -> jax.Array:
+  r"""Residual MLP stack :math:`h \leftarrow h + \mathrm{act}(h W_{in}) W_{out}`.
+
+  Both matmuls of layer l use mask bit ``recovery_mask[l]``.
+
+  Args:
+    policy: precision policy.
+    params: from ``init_stack``.
+    x_TxD: [T, D] input (its dtype is the carry's, e.g. bfloat16).
+    recovery_mask: bool[L] or None (not recoverable).
+    unroll: layers per scan iteration (``lax.scan``'s ``unroll``).
+    activation: elementwise nonlinearity, or None for a linear stack.
+
+  Returns:
+    [T, D] output of ``x_TxD.dtype``.
+  """
+  num_layers = params['w_in'].shape[0]
+  mask = (jnp.zeros((num_layers,), jnp.bool_) if recovery_mask is None
+          else recovery_mask)
+  act = activation or (lambda u: u)
+
+  def layer(h, inputs):
+    w_in, w_out, recover = inputs
+    recover = None if recovery_mask is None else recover
+    u = act(policy.dot(h, w_in, recover))
+    return (h + policy.dot(u, w_out, recover)).astype(h.dtype), None
+
+  out, _ = lax.scan(layer, x_TxD, (params['w_in'], params['w_out'], mask),
+                    unroll=unroll)
+  return out
+
+
+def stack_loss(policy, params, x_TxD, recovery_mask=None, unroll=1,
+               activation=jax.nn.silu) -> jax.Array:
+  """Mean square of the stack output, float32 scalar."""
+  out = stack_apply(policy, params, x_TxD, recovery_mask, unroll, activation)
+  return jnp.mean(jnp.square(out.astype(jnp.float32)))
