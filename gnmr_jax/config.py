@@ -1,0 +1,188 @@
+"""The experiment config: one ConfigDict grouping model, data, train, optimizer, gnmr, precision,
+checkpoint, logging and mesh, plus its up-front validation.
+
+configs/*.py start from :func:`base_config` and override fields; every field
+is validated by :func:`validate_config` before anything is traced, with a
+ValueError naming the field and the allowed values.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import ml_collections
+
+from gnmr_jax.data.config import default_data_config, validate_data_config
+from gnmr_jax.model_configs import model_config, validate_model_config
+from gnmr_jax.sharding import MESH_AXES, default_mesh_config, mesh_shape
+from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
+
+NONFINITE_POLICIES = ("skip", "none")
+GROUPS = ("model", "data", "train", "optimizer", "gnmr", "precision", "checkpoint", "logging", "mesh")
+
+
+def gnmr_config() -> ml_collections.ConfigDict:
+  """GNMR controller hyper-parameters (the paper's alpha, beta, delta, maxO, T_lock)."""
+  c = ml_collections.ConfigDict()
+  # Put the controller in the optimizer chain (needed by precision.mode='gnmr'; in static modes it
+  # only measures, for telemetry).
+  c.enabled = True
+  # Threshold on GNMR_t = ||g_t|| / mean(||g_1..t-1||).
+  c.alpha = 2.0
+  # Threshold on dGNMR_t = GNMR_t / mean(GNMR over the last delta steps).
+  c.beta = 1.5
+  # Short window length for dGNMR.
+  c.delta = 8
+  # Hard budget: at most this many units on the recovery path per step.
+  c.max_o = 4
+  # Lock length: a selected risky unit stays a candidate for this many more steps.
+  c.t_lock = 5
+  # Steps during which statistics accumulate but nothing is recovered.
+  c.warmup = 20
+  # Regex over '/'-joined param paths selecting the recoverable units (the 7 projections).
+  c.units = r"layers/(attn|mlp)/(q|k|v|o|gate|up|down)/kernel"
+  # Regex selecting layer-stacked leaves whose axis-0 slices are separate units.
+  c.layer_axis = r"^layers/"
+  return c
+
+
+def base_config(model: str = "tiny") -> ml_collections.ConfigDict:
+  """Defaults for every group; configs/*.py override what they need."""
+  config = ml_collections.ConfigDict()
+  config.model = model_config(model)
+  config.data = default_data_config()
+  config.data.seq_len = config.model.max_seq_len
+
+  config.train = ml_collections.ConfigDict()
+  # Number of optimizer steps.
+  config.train.steps = 300
+  # Seed for parameter init (data order has its own seed in data.seed).
+  config.train.seed = 0
+  # Evaluate validation loss/perplexity every this many steps (0: only at the end).
+  config.train.eval_every = 100
+  # Raise after this many consecutive non-finite losses (a last good checkpoint is kept).
+  config.train.max_consecutive_nonfinite = 20
+
+  config.optimizer = ml_collections.ConfigDict()
+  # Peak learning rate of the warmup + cosine schedule.
+  config.optimizer.learning_rate = 3e-3
+  # Linear warmup steps.
+  config.optimizer.warmup_steps = 50
+  # Final learning rate as a fraction of the peak.
+  config.optimizer.min_lr_ratio = 0.1
+  # AdamW decoupled weight decay.
+  config.optimizer.weight_decay = 0.1
+  config.optimizer.b1 = 0.9
+  config.optimizer.b2 = 0.95
+  config.optimizer.eps = 1e-8
+  # Global-norm clipping threshold (0 disables clipping).
+  config.optimizer.grad_clip = 1.0
+  # What to do with a step whose gradients are not finite: 'skip' the update (the controller still
+  # sees the gradients and ranks the bad units first) or 'none' (no guard).
+  config.optimizer.nonfinite = "skip"
+
+  config.gnmr = gnmr_config()
+  config.precision = default_precision_config()
+
+  config.checkpoint = ml_collections.ConfigDict()
+  # Save every this many steps (0: only at the end); the run resumes from the latest in --workdir.
+  config.checkpoint.every_steps = 100
+  # Checkpoints kept on disk.
+  config.checkpoint.max_to_keep = 2
+
+  config.logging = ml_collections.ConfigDict()
+  # Write a metrics line (JSONL, TensorBoard, progress bar) every this many steps.
+  config.logging.log_every = 10
+  # Log per-unit GNMR scores and the recovery mask every this many steps (0: never).
+  config.logging.unit_log_every = 5
+  # Write TensorBoard event files (needs tensorboardX).
+  config.logging.tensorboard = True
+  # Show a progress bar on stderr.
+  config.logging.progress_bar = True
+  # Write loss/recovery plots to <workdir>/plots at the end.
+  config.logging.plots = True
+
+  # Mesh axis sizes (data, fsdp, tensor); -1 means "all remaining devices".
+  config.mesh = default_mesh_config()
+  return config
+
+
+def _int(cfg, group, field, minimum):
+  value = cfg[field]
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    raise ValueError(f"config.{group}.{field} must be an integer >= {minimum}, got {value!r}.")
+
+
+def _float(cfg, group, field, minimum=0.0, inclusive=False, maximum=None):
+  value = cfg[field]
+  ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  ok = ok and (value >= minimum if inclusive else value > minimum)
+  ok = ok and (maximum is None or value <= maximum)
+  if not ok:
+    bound = f"{'>=' if inclusive else '>'} {minimum}" + (f" and <= {maximum}" if maximum else "")
+    raise ValueError(f"config.{group}.{field} must be a number {bound}, got {value!r}.")
+
+
+def _check_keys(config):
+  unknown = sorted(set(config.keys()) - set(GROUPS))
+  if unknown:
+    raise ValueError(f"config has unknown groups {unknown}; valid groups: {list(GROUPS)}.")
+  missing = sorted(set(GROUPS) - set(config.keys()))
+  if missing:
+    raise ValueError(f"config is missing groups {missing}.")
+  reference = base_config()
+  for group in ("train", "optimizer", "gnmr", "checkpoint", "logging"):
+    extra = sorted(set(config[group].keys()) - set(reference[group].keys()))
+    if extra:
+      raise ValueError(f"config.{group} has unknown fields {extra}; valid fields: "
+                       f"{sorted(reference[group].keys())}.")
+
+
+def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) -> None:
+  """Checks every field before anything is built or traced. Raises ValueError naming the field."""
+  _check_keys(config)
+  validate_model_config(config.model)
+  validate_data_config(config.data)
+  validate_precision(config.precision)
+  t, o, g, c, lg = config.train, config.optimizer, config.gnmr, config.checkpoint, config.logging
+  _int(t, "train", "steps", 1)
+  _int(t, "train", "seed", 0)
+  _int(t, "train", "eval_every", 0)
+  _int(t, "train", "max_consecutive_nonfinite", 1)
+  _float(o, "optimizer", "learning_rate")
+  _int(o, "optimizer", "warmup_steps", 0)
+  _float(o, "optimizer", "min_lr_ratio", 0.0, inclusive=True, maximum=1.0)
+  _float(o, "optimizer", "weight_decay", 0.0, inclusive=True)
+  _float(o, "optimizer", "b1", 0.0, inclusive=True, maximum=1.0)
+  _float(o, "optimizer", "b2", 0.0, inclusive=True, maximum=1.0)
+  _float(o, "optimizer", "eps")
+  _float(o, "optimizer", "grad_clip", 0.0, inclusive=True)
+  if o.nonfinite not in NONFINITE_POLICIES:
+    raise ValueError(f"config.optimizer.nonfinite must be one of {list(NONFINITE_POLICIES)}, "
+                     f"got {o.nonfinite!r}.")
+  if not isinstance(g.enabled, bool):
+    raise ValueError(f"config.gnmr.enabled must be True or False, got {g.enabled!r}.")
+  _float(g, "gnmr", "alpha")
+  _float(g, "gnmr", "beta")
+  _int(g, "gnmr", "delta", 1)
+  _int(g, "gnmr", "max_o", 0)
+  _int(g, "gnmr", "t_lock", 0)
+  _int(g, "gnmr", "warmup", 0)
+  if config.precision.mode == "gnmr" and not g.enabled:
+    raise ValueError("config.precision.mode='gnmr' needs config.gnmr.enabled=True "
+                     "(the recovery mask comes from the controller).")
+  _int(c, "checkpoint", "every_steps", 0)
+  _int(c, "checkpoint", "max_to_keep", 1)
+  _int(lg, "logging", "log_every", 1)
+  _int(lg, "logging", "unit_log_every", 0)
+  for field in ("tensorboard", "progress_bar", "plots"):
+    if not isinstance(lg[field], bool):
+      raise ValueError(f"config.logging.{field} must be True or False, got {lg[field]!r}.")
+  extra = sorted(set(config.mesh.keys()) - set(MESH_AXES))
+  if extra:
+    raise ValueError(f"config.mesh has unknown fields {extra}; valid fields: {list(MESH_AXES)}.")
+  mesh_shape(config.mesh, device_count or jax.device_count())
+  if config.data.seq_len > config.model.max_seq_len:
+    raise ValueError(f"config.data.seq_len ({config.data.seq_len}) exceeds "
+                     f"config.model.max_seq_len ({config.model.max_seq_len}).")

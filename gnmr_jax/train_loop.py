@@ -1,0 +1,402 @@
+"""The training loop: `train_and_evaluate(config, workdir)`, used by train.py and the notebooks.
+
+One jitted, sharded train step with donated state: forward/backward with the recovery mask
+from the optimizer state, optax.chain(gnmr, guard(clip, adamw)). Metrics are fetched one step
+late so the host never waits on the device; checkpoints hold params, optimizer + GNMR state,
+the RNG and the data iterator position, so a reused --workdir resumes exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import flax.linen as nn
+
+from gnmr_jax import checkpointing, metrics_log, sharding
+from gnmr_jax.config import validate_config
+from gnmr_jax.controller import GNMRState, controller_state
+from gnmr_jax.data import make_data
+from gnmr_jax.model import Transformer
+from gnmr_jax.optim import learning_rate_schedule, make_optimizer
+from gnmr_jax.precision import make_policy
+
+
+class TrainState(NamedTuple):
+  step: jax.Array       # int32 []
+  params: Any           # float32 params tree (unboxed 'params' collection)
+  opt_state: Any        # optax state, GNMRState inside
+  rng: jax.Array        # uint32 [2]: raw key data, for any stochastic part of the step
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything built from a config, shared by the train loop, tests and notebooks."""
+  config: ml_collections.ConfigDict
+  model_config: ml_collections.ConfigDict
+  data: Any
+  policy: Any
+  model: Transformer
+  tx: optax.GradientTransformation
+  mesh: jax.sharding.Mesh
+  state_shardings: Any
+  batch_sharding: jax.sharding.NamedSharding
+  init_state: Any       # jitted rng -> TrainState
+  train_step: Any       # jitted (state, batch) -> (state, metrics)
+  eval_step: Any        # jitted (state, batch) -> (sum_loss, num_tokens)
+  unit_names: list
+
+
+def cross_entropy(logits_BxSxV, targets_BxS):
+  """Mean next-token cross-entropy in nats (float32)."""
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, targets_BxS)
+  return jnp.mean(losses), jnp.sum(losses), targets_BxS.size
+
+
+def _controller(opt_state) -> Optional[GNMRState]:
+  try:
+    return controller_state(opt_state)
+  except ValueError:
+    return None
+
+
+def _unit_leaf_flags(unit_regex, layer_regex, params) -> list:
+  from gnmr_jax import units as units_lib  # pylint: disable=g-import-not-at-top
+  layout = units_lib.resolve_units(params, units_lib.compile_selector(unit_regex, "units"),
+                                   units_lib.compile_selector(layer_regex, "layer_axis"))
+  return [u.is_unit for u in layout]
+
+
+def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule):
+  def select(tree):
+    leaves = [l for l, keep in zip(jax.tree_util.tree_leaves(tree), unit_flags) if keep]
+    return jnp.concatenate([jnp.ravel(l) for l in leaves]) if leaves else jnp.zeros((0,))
+
+  def train_step(state: TrainState, batch):
+    ctl = _controller(state.opt_state)
+    mask = ctl.mask if (routed and ctl is not None) else None
+
+    def loss_fn(params):
+      logits = model.apply({"params": params}, batch["inputs"], recovery_mask=mask)
+      loss, _, _ = cross_entropy(logits, batch["targets"])
+      return loss
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    grad_norm = optax.global_norm(grads)
+    metrics = {"loss": loss, "grad_norm": grad_norm,
+               "learning_rate": schedule(state.step),
+               "nonfinite": ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))}
+    new_ctl = _controller(opt_state)
+    if new_ctl is not None:
+      tel = new_ctl.telemetry
+      metrics.update(num_units=tel.num_units, num_risky=tel.num_risky,
+                     num_candidates=tel.num_candidates, num_active=tel.num_active,
+                     num_locked=tel.num_locked, num_nonfinite_units=tel.num_nonfinite,
+                     active_unit_steps=tel.active_unit_steps,
+                     risky_unit_steps=tel.risky_unit_steps,
+                     # Recovery mask used by *this* step, and the per-unit scores it produced.
+                     unit_mask_used=select(ctl.mask), unit_mask_next=select(new_ctl.mask),
+                     unit_score=select(new_ctl.score), unit_gnmr=select(new_ctl.gnmr),
+                     unit_delta_gnmr=select(new_ctl.delta_gnmr))
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                           rng=state.rng)
+    return new_state, metrics
+
+  return train_step
+
+
+def _make_eval_step(model, routed: bool):
+  def eval_step(state: TrainState, batch):
+    ctl = _controller(state.opt_state)
+    mask = ctl.mask if (routed and ctl is not None) else None
+    logits = model.apply({"params": state.params}, batch["inputs"], recovery_mask=mask)
+    _, total, count = cross_entropy(logits, batch["targets"])
+    return total, jnp.float32(count)
+  return eval_step
+
+
+def _opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, replicated):
+  """Optimizer-state leaves that mirror a param (same path suffix and shape) get its sharding;
+  everything else (counters, the controller's small per-unit leaves) is replicated."""
+  from gnmr_jax.units import path_to_str  # pylint: disable=g-import-not-at-top
+  by_path = {}
+  for (path, leaf), sh in zip(jax.tree_util.tree_flatten_with_path(abstract_params)[0],
+                              jax.tree_util.tree_leaves(param_shardings)):
+    by_path[path_to_str(path)] = (tuple(leaf.shape), sh)
+
+  def pick(path, leaf):
+    name = path_to_str(path)
+    for pname, (shape, sh) in by_path.items():
+      if (name == pname or name.endswith("/" + pname)) and tuple(leaf.shape) == shape:
+        return sh
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
+
+
+def build(config: ml_collections.ConfigDict, *, data=None) -> Run:
+  """Validates the config and builds data, policy, model, optimizer, mesh and jitted steps."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  validate_config(config, jax.device_count())
+  policy = make_policy(config.precision)
+  if data is None:
+    data = make_data(config.data, jax.process_index(), jax.process_count())
+  model_config = ml_collections.ConfigDict(config.model.to_dict())
+  model_config.vocab_size = int(data.vocab_size)  # the tokenizer decides the vocabulary
+  if policy.routed:
+    model_config.scan_unroll = policy.scan_unroll(model_config.num_layers)
+  mesh = sharding.make_mesh(config.mesh)
+  sharding.check_model_fits_mesh(model_config, mesh, config.data.batch_size)
+  model = Transformer(model_config, policy)
+  tx = make_optimizer(config)
+  seq_len = config.data.seq_len
+  replicated = sharding.replicated(mesh)
+
+  def init_state(rng):
+    params = nn.unbox(model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"])
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      rng=jax.random.key_data(jax.random.fold_in(rng, 1)))
+
+  with sharding.activation_sharding(mesh):
+    abstract = jax.eval_shape(init_state, jax.random.key(0))
+    param_sh = sharding.param_shardings(model, mesh, tokens_shape=(1, seq_len))
+  state_sh = TrainState(
+      step=replicated, params=param_sh,
+      opt_state=_opt_state_shardings(abstract.opt_state, abstract.params, param_sh, replicated),
+      rng=replicated)
+  unit_flags = []
+  unit_names = []
+  if config.gnmr.enabled:
+    unit_flags = _unit_leaf_flags(config.gnmr.units, config.gnmr.layer_axis,
+                                  abstract.params)
+    ctl = controller_state(abstract.opt_state)
+    names = metrics_log.flat_unit_names(ctl.mask)
+    # flat_unit_names expands every leaf; keep only the unit leaves' names.
+    offset = 0
+    for path_leaf, keep in zip(jax.tree_util.tree_leaves(ctl.mask), unit_flags):
+      size = max(1, int(np.prod(path_leaf.shape)))
+      if keep:
+        unit_names.extend(names[offset:offset + size])
+      offset += size
+  schedule = learning_rate_schedule(config.optimizer, config.train.steps)
+  batch_sh = sharding.batch_sharding(mesh)
+  train_step = jax.jit(_make_train_step(model, tx, policy.routed, unit_flags, schedule),
+                       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
+                       donate_argnums=0)
+  eval_step = jax.jit(_make_eval_step(model, policy.routed), in_shardings=(state_sh, batch_sh),
+                      out_shardings=replicated)
+  init_fn = jax.jit(init_state, out_shardings=state_sh)
+  return Run(config=config, model_config=model_config, data=data, policy=policy, model=model,
+             tx=tx, mesh=mesh, state_shardings=state_sh, batch_sharding=batch_sh,
+             init_state=init_fn, train_step=train_step, eval_step=eval_step,
+             unit_names=unit_names)
+
+
+def device_batch(run: Run, batch: dict) -> dict:
+  """This process's rows -> a global array sharded over (data, fsdp)."""
+  return {k: jax.make_array_from_process_local_data(run.batch_sharding, np.asarray(v))
+          for k, v in batch.items()}
+
+
+def evaluate(run: Run, state: TrainState) -> dict:
+  total, count = 0.0, 0.0
+  with sharding.activation_sharding(run.mesh):
+    for batch in run.data.eval_batches():
+      t, c = run.eval_step(state, device_batch(run, batch))
+      total += float(t)
+      count += float(c)
+  loss = total / max(count, 1.0)
+  return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+
+
+class _Preemption:
+  """SIGTERM sets a flag; the loop saves a checkpoint and returns cleanly."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
+    except ValueError:  # not the main thread (e.g. some notebook kernels)
+      self._previous = None
+    return self
+
+  def _handle(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _host(metrics: dict) -> dict:
+  return {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=None) -> dict:
+  """Trains (or resumes) in `workdir` and returns the run summary.
+
+  Args:
+    config: a config from configs/*.py (see gnmr_jax.config.base_config).
+    workdir: checkpoints, logs and plots go here; a workdir with a checkpoint of
+      the same config is resumed exactly.
+    data: optional prebuilt gnmr_jax.data.Data (tests, notebooks).
+
+  Returns:
+    A dict with final eval loss/perplexity, the unigram baseline, recovered
+    unit-steps %, threshold exceedance %, tokens/s and file paths.
+  """
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  run = build(config, data=data)
+  config = run.config
+  is_main = jax.process_index() == 0
+  ckpt = checkpointing.Checkpointer(workdir, config.checkpoint.max_to_keep)
+  fingerprint = checkpointing.config_fingerprint(config, run.data.vocab_size)
+  train_iter = run.data.train_iterator()
+  with sharding.activation_sharding(run.mesh):
+    abstract = jax.eval_shape(run.init_state, jax.random.key(config.train.seed))
+    restored = ckpt.restore(checkpointing.abstract_like(abstract, run.state_shardings),
+                            fingerprint)
+    if restored is None:
+      state = run.init_state(jax.random.key(config.train.seed))
+      start = 0
+    else:
+      start, state, data_state = restored
+      train_iter.set_state(data_state)
+  total = config.train.steps
+  log = metrics_log.MetricsLogger(
+      workdir, total, tensorboard=config.logging.tensorboard,
+      progress_bar=config.logging.progress_bar, unit_names=run.unit_names, start_step=start,
+      enabled=is_main)
+  tokens_per_step = config.data.batch_size * config.data.seq_len
+  pending = None  # (step, device metrics) fetched one step late
+  bad_streak = 0
+  timed_steps, timed_seconds = 0, 0.0
+  last_eval = None
+  t_last = time.perf_counter()
+  steps_since_log = 0
+
+  def save(step, force=False):
+    if ckpt.latest_step() == step:
+      return
+    meta = {"fingerprint": fingerprint, "step": int(step)}
+    ckpt.save(step, state, train_iter.get_state(), meta, force=force)
+
+  def handle(step, metrics):
+    nonlocal bad_streak, t_last, steps_since_log, timed_steps, timed_seconds
+    host = _host(metrics)
+    bad_streak = bad_streak + 1 if bool(host["nonfinite"]) else 0
+    steps_since_log += 1
+    if step % config.logging.log_every == 0 or step == total:
+      now = time.perf_counter()
+      dt = (now - t_last) / steps_since_log
+      if step > start + 1:  # the first interval includes compilation
+        timed_steps += steps_since_log
+        timed_seconds += now - t_last
+      t_last, steps_since_log = now, 0
+      scalars = {k: float(v) if v.dtype.kind == "f" else int(v) for k, v in host.items()
+                 if v.ndim == 0}
+      scalars.update(steps_per_s=1.0 / max(dt, 1e-9), tokens_per_s=tokens_per_step / max(dt, 1e-9))
+      log.train(step, scalars)
+    every = config.logging.unit_log_every
+    if every and "unit_mask_used" in host and (step % every == 0 or step == total):
+      log.units(step, host["unit_mask_used"], host["unit_score"], host["unit_gnmr"],
+                host["unit_delta_gnmr"])
+    log.advance(step)
+    return host
+
+  last_host = None
+  preempted = False
+  with _Preemption() as preemption, sharding.activation_sharding(run.mesh):
+    step = start
+    while step < total:
+      batch = device_batch(run, next(train_iter))
+      state, metrics = run.train_step(state, batch)
+      step += 1
+      if pending is not None:
+        last_host = handle(*pending)
+      pending = (step, metrics)
+      if bad_streak >= config.train.max_consecutive_nonfinite:
+        save(step, force=True)
+        ckpt.close()
+        log.close()
+        raise FloatingPointError(
+            f"{bad_streak} consecutive steps with a non-finite loss or gradient (up to step "
+            f"{step - 1}); updates were skipped, so the checkpoint saved at step {step} holds the "
+            f"last good parameters. Lower optimizer.learning_rate or check the data.")
+      if config.train.eval_every and step % config.train.eval_every == 0 and step < total:
+        last_host = handle(*pending)
+        pending = None
+        last_eval = evaluate(run, state)
+        log.eval(step, last_eval)
+        t_last, steps_since_log = time.perf_counter(), 0
+      if config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0:
+        save(step)
+      if preemption.requested:
+        preempted = True
+        break
+    if pending is not None:
+      last_host = handle(*pending)
+    if not preempted and (last_eval is None or step % max(config.train.eval_every, 1) or
+                          step == total):
+      last_eval = evaluate(run, state)
+      log.eval(step, last_eval)
+    save(step, force=True)
+  ckpt.close()
+
+  summary = {"workdir": workdir, "step": int(step), "preempted": preempted,
+             "precision_mode": config.precision.mode,
+             "low_cost_path": config.precision.low_cost_path,
+             "num_params": int(sum(x.size for x in jax.tree_util.tree_leaves(state.params))),
+             "unigram_perplexity": float(run.data.unigram_perplexity),
+             "tokens_per_s": (timed_steps * tokens_per_step / timed_seconds) if timed_seconds else float("nan")}
+  if last_eval is not None:
+    summary.update(last_eval)
+  if last_host is not None and "num_units" in last_host:
+    unit_steps = max(int(last_host["num_units"]) * int(step), 1)
+    summary.update(
+        num_units=int(last_host["num_units"]),
+        recovered_unit_steps_pct=100.0 * int(last_host["active_unit_steps"]) / unit_steps,
+        threshold_exceedance_pct=100.0 * int(last_host["risky_unit_steps"]) / unit_steps)
+  if is_main and config.logging.plots and not preempted:
+    from gnmr_jax import plots  # pylint: disable=g-import-not-at-top
+    summary["plots"] = plots.plot_run(workdir)
+  log.summary(summary)
+  log.close()
+  return summary
+
+
+def format_summary(summary: dict) -> str:
+  """The human summary printed at the end of train.py."""
+  lines = [f"run summary ({summary['workdir']})",
+           f"  steps                     {summary['step']}" +
+           ("  (preempted: checkpoint saved)" if summary.get("preempted") else ""),
+           f"  precision                 {summary['precision_mode']} / {summary['low_cost_path']}",
+           f"  parameters                {summary['num_params']:,}"]
+  if "eval_perplexity" in summary:
+    lines.append(f"  validation perplexity     {summary['eval_perplexity']:.3f} "
+                 f"(loss {summary['eval_loss']:.4f} nats/token; unigram baseline "
+                 f"{summary['unigram_perplexity']:.2f})")
+  if "recovered_unit_steps_pct" in summary:
+    lines.append(f"  recovered unit-steps      {summary['recovered_unit_steps_pct']:.3f}% of "
+                 f"{summary['num_units']} units x {summary['step']} steps "
+                 f"(threshold exceedance {summary['threshold_exceedance_pct']:.3f}%)")
+  lines.append(f"  tokens/s                  {summary['tokens_per_s']:.0f}")
+  for name, path in (summary.get("plots") or {}).items():
+    lines.append(f"  plot {name:20s} {path}")
+  return "\n".join(lines)

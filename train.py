@@ -1,0 +1,30 @@
+"""Train a LLaMA-style model with GNMR.
+
+  python train.py --config=configs/tiny.py --workdir=workdirs/tiny \
+      --config.gnmr.max_o=5 --config.train.steps=200
+"""
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from gnmr_jax import distributed, train_loop
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs and plots go here.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  distributed.maybe_initialize()
+  summary = train_loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  print(train_loop.format_summary(summary), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main)
