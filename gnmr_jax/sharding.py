@@ -6,12 +6,22 @@ weights' embed axis over fsdp (ZeRO-3 style), heads / kv_heads / mlp / vocab ove
 tensor (Megatron style), the stacked layer axis never sharded.
 
 Example:
-  >>> mesh = make_mesh(default_mesh_config())           # all devices on fsdp
-  >>> rules = default_logical_rules()
-  >>> shardings = param_shardings(model, mesh, rules)   # mirrors p
-  >>> params = init_params(model, jax.random.key(0), mesh, rules)
-  >>> with activation_sharding(mesh, rules):
+  >>> import jax, jax.numpy as jnp
+  >>> from gnmr_jax.model import Transformer
+  >>> from gnmr_jax.model_configs import model_config
+  >>> class F32Policy:
+  ...   routed = False
+  ...   def dot(self, x, kernel, recover=None):
+  ...     return x @ kernel.astype(x.dtype)
+  >>> model = Transformer(model_config('tiny'), F32Policy())
+  >>> mesh = make_mesh(default_mesh_config())  # every device on fsdp
+  >>> check_model_fits_mesh(model.config, mesh, batch_size=mesh.size)
+  >>> params = init_params(model, jax.random.key(0), mesh)  # sharded p
+  >>> tokens = jax.device_put(jnp.zeros((mesh.size, 16), jnp.int32), batch_sharding(mesh))
+  >>> with activation_sharding(mesh):
   ...   logits = jax.jit(lambda p, t: model.apply({'params': p}, t))(params, tokens)
+  >>> logits.shape[1:]
+  (16, 256)
 """
 
 from __future__ import annotations
@@ -24,7 +34,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -187,9 +196,3 @@ def activation_sharding(mesh: Mesh, rules: LogicalRules | None = None) -> Iterat
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     yield
 
-
-def describe(mesh: Mesh) -> str:
-  """One line for logs, e.g. 'mesh data=2 fsdp=2 tensor=2 (8 cpu devices)'."""
-  platform = np.asarray(mesh.devices).flat[0].platform
-  sizes = ' '.join(f'{a}={mesh.shape[a]}' for a in MESH_AXES)
-  return f'mesh {sizes} ({mesh.size} {platform} devices)'
