@@ -146,18 +146,26 @@ def _opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, r
   return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
 
 
-def build(config: ml_collections.ConfigDict, *, data=None) -> Run:
-  """Validates the config and builds data, policy, model, optimizer, mesh and jitted steps."""
+VOCAB_MULTIPLE = 64
+
+
+def build(config: ml_collections.ConfigDict, *, data=None, devices=None) -> Run:
+  """Validates the config and builds data, policy, model, optimizer, mesh and jitted steps.
+
+  The model's vocabulary is the tokenizer's, padded up to a multiple of 64 so it
+  divides over tensor-parallel meshes (the padded ids never occur in the data).
+  `devices` restricts the mesh (default: all devices).
+  """
   config = ml_collections.ConfigDict(config.to_dict())
-  validate_config(config, jax.device_count())
+  validate_config(config, len(devices) if devices is not None else jax.device_count())
   policy = make_policy(config.precision)
   if data is None:
     data = make_data(config.data, jax.process_index(), jax.process_count())
   model_config = ml_collections.ConfigDict(config.model.to_dict())
-  model_config.vocab_size = int(data.vocab_size)  # the tokenizer decides the vocabulary
+  model_config.vocab_size = -(-int(data.vocab_size) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
   if policy.routed:
     model_config.scan_unroll = policy.scan_unroll(model_config.num_layers)
-  mesh = sharding.make_mesh(config.mesh)
+  mesh = sharding.make_mesh(config.mesh, devices)
   sharding.check_model_fits_mesh(model_config, mesh, config.data.batch_size)
   model = Transformer(model_config, policy)
   tx = make_optimizer(config)
@@ -248,7 +256,8 @@ def _host(metrics: dict) -> dict:
   return {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=None) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=None,
+                       devices=None, stop_at: Optional[int] = None) -> dict:
   """Trains (or resumes) in `workdir` and returns the run summary.
 
   Args:
@@ -256,13 +265,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     workdir: checkpoints, logs and plots go here; a workdir with a checkpoint of
       the same config is resumed exactly.
     data: optional prebuilt gnmr_jax.data.Data (tests, notebooks).
+    devices: optional devices for the mesh (default: all).
+    stop_at: stop after this step with a checkpoint, as a preemption would
+      (tests of exact resume); None runs to config.train.steps.
 
   Returns:
     A dict with final eval loss/perplexity, the unigram baseline, recovered
     unit-steps %, threshold exceedance %, tokens/s and file paths.
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  run = build(config, data=data)
+  run = build(config, data=data, devices=devices)
   config = run.config
   is_main = jax.process_index() == 0
   ckpt = checkpointing.Checkpointer(workdir, config.checkpoint.max_to_keep)
@@ -347,7 +359,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
         t_last, steps_since_log = time.perf_counter(), 0
       if config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0:
         save(step)
-      if preemption.requested:
+      if preemption.requested or (stop_at is not None and step >= stop_at and step < total):
         preempted = True
         break
     if pending is not None:
