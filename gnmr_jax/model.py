@@ -136,6 +136,27 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(self.dtype)
 
 
+class Embed(nn.Module):
+  """Token embedding lookup: table[tokens], table float32 [vocab, d_model]."""
+  vocab_size: int
+  init_std: float
+  dtype: Any
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self, tokens_BxS: Array, d_model: int) -> Array:
+    table_VxD = self.param(
+        'embedding',
+        nn.with_logical_partitioning(
+            nn.initializers.normal(self.init_std), ('vocab', 'embed')),
+        (self.vocab_size, d_model), self.param_dtype)
+    # Gather the fsdp shards of the table before the lookup, as FSDP does for
+    # every weight; otherwise the partitioner must move the lookup result from
+    # embed-sharded to batch-sharded, which it does by replicating it.
+    table_VxD = nn.with_logical_constraint(table_VxD.astype(self.dtype), ('vocab', None))
+    return jnp.take(table_VxD, tokens_BxS, axis=0)
+
+
 class Projection(nn.Module):
   """A bias-free projection through the precision policy: policy.dot(x, kernel)."""
   features: int
@@ -284,11 +305,8 @@ class Transformer(nn.Module):
     if self.policy.routed and recovery_mask is not None:
       bits = projection_recover_bits(recovery_mask, cfg.num_layers)
 
-    x_BxSxD = nn.Embed(
-        cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=param_dtype,
-        embedding_init=nn.with_logical_partitioning(
-            nn.initializers.normal(cfg.init_std), ('vocab', 'embed')),
-        name='embed')(tokens)
+    x_BxSxD = Embed(cfg.vocab_size, cfg.init_std, dtype, param_dtype,
+                    name='embed')(tokens, cfg.d_model)
     x_BxSxD = nn.with_logical_constraint(x_BxSxD, ('batch', 'length', 'embed'))
     rope = rope_tables(tokens.shape[1], cfg.d_model // cfg.num_heads, cfg.rope_theta)
 
