@@ -2,7 +2,12 @@
 
   python train.py --config=configs/tiny.py --workdir=workdirs/tiny \
       --config.gnmr.max_o=5 --config.train.steps=200
+
+Bad flags or config values end with one line naming what is wrong (exit 2); the training
+loop itself lives in gnmr_jax.train_loop so notebooks run the same code.
 """
+
+import sys
 
 from absl import app
 from absl import flags
@@ -16,15 +21,32 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.p
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs and plots go here.")
 flags.mark_flags_as_required(["config", "workdir"])
 
+USER_ERRORS = (ValueError, TypeError, KeyError, AttributeError, FileNotFoundError)
+
+
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"train.py: {e}", file=sys.stderr)
+    sys.exit(2)
+  except USER_ERRORS as e:  # config_flags reports unknown --config.* keys this way
+    print(f"train.py: bad --config override: {e}".replace("\\n", " "), file=sys.stderr)
+    sys.exit(2)
+
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  distributed.maybe_initialize()
-  summary = train_loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  try:
+    distributed.maybe_initialize()
+    summary = train_loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except USER_ERRORS as e:
+    print(f"train.py: error: {e}", file=sys.stderr)
+    sys.exit(2)
   print(train_loop.format_summary(summary), flush=True)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -94,7 +94,7 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule):
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     metrics = {"loss": loss, "grad_norm": grad_norm,
                "learning_rate": schedule(state.step),
                "nonfinite": ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))}

@@ -72,11 +72,14 @@ def test_train_py_end_to_end_resume_and_refusal(tmp_path, data_dirs):
       os.path.join(workdir, metrics_log.METRICS_FILE))] == [2, 4, 6, 8]
   # A different model in the same workdir is refused, naming the field.
   out = run_train_py(workdir, data_dirs, "--config.model.d_model=32")
-  assert out.returncode != 0 and "model.d_model" in out.stderr
+  assert out.returncode == 2 and "model.d_model" in out.stderr
   assert "different config" in out.stderr
   # Unknown precision names are refused before tracing, listing the valid ones.
   out = run_train_py(str(tmp_path / "bad"), data_dirs, "--config.precision.low_cost_path=int3")
-  assert out.returncode != 0 and "int3" in out.stderr and "int8" in out.stderr
+  assert out.returncode == 2 and "int3" in out.stderr and "int8" in out.stderr
+  assert "Traceback" not in out.stderr
+  out = run_train_py(str(tmp_path / "bad"), data_dirs, "--config.train.stpes=3")
+  assert out.returncode == 2 and "stpes" in out.stderr and "Traceback" not in out.stderr
 
 
 def _state_arrays(workdir, config, data):
