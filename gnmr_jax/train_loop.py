@@ -149,12 +149,15 @@ def _opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, r
 VOCAB_MULTIPLE = 64
 
 
-def build(config: ml_collections.ConfigDict, *, data=None, devices=None) -> Run:
+def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
+          make_tx=None) -> Run:
   """Validates the config and builds data, policy, model, optimizer, mesh and jitted steps.
 
   The model's vocabulary is the tokenizer's, padded up to a multiple of 64 so it
   divides over tensor-parallel meshes (the padded ids never occur in the data).
-  `devices` restricts the mesh (default: all devices).
+  `devices` restricts the mesh (default: all devices). `make_tx(config)` replaces
+  gnmr_jax.optim.make_optimizer (experiments with baseline transforms); the train step
+  reads the recovery mask from whatever GNMRState the chain holds.
   """
   config = ml_collections.ConfigDict(config.to_dict())
   validate_config(config, len(devices) if devices is not None else jax.device_count())
@@ -168,7 +171,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None) -> Run:
   mesh = sharding.make_mesh(config.mesh, devices)
   sharding.check_model_fits_mesh(model_config, mesh, config.data.batch_size)
   model = Transformer(model_config, policy)
-  tx = make_optimizer(config)
+  tx = (make_tx or make_optimizer)(config)
   seq_len = config.data.seq_len
   replicated = sharding.replicated(mesh)
 
@@ -257,7 +260,7 @@ def _host(metrics: dict) -> dict:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=None,
-                       devices=None, stop_at: Optional[int] = None) -> dict:
+                       devices=None, stop_at: Optional[int] = None, make_tx=None) -> dict:
   """Trains (or resumes) in `workdir` and returns the run summary.
 
   Args:
@@ -268,13 +271,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     devices: optional devices for the mesh (default: all).
     stop_at: stop after this step with a checkpoint, as a preemption would
       (tests of exact resume); None runs to config.train.steps.
+    make_tx: optional `config -> optax transform` replacing the configured chain.
 
   Returns:
     A dict with final eval loss/perplexity, the unigram baseline, recovered
     unit-steps %, threshold exceedance %, tokens/s and file paths.
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  run = build(config, data=data, devices=devices)
+  run = build(config, data=data, devices=devices, make_tx=make_tx)
   config = run.config
   is_main = jax.process_index() == 0
   ckpt = checkpointing.Checkpointer(workdir, config.checkpoint.max_to_keep)
