@@ -17,6 +17,7 @@ SCRIPTS = [
     ("Controller overhead (issue 2)", ["benchmarks/controller_overhead.py"]),
     ("Routing: static vs routed precision paths (issue 3)", ["benchmarks/routing.py"]),
     ("Saved-activation memory (issue 3)", ["benchmarks/activation_memory.py"]),
+    ("Model train step: bf16 vs static vs routed (issues 3, 4)", ["benchmarks/model_step.py"]),
 ]
 
 

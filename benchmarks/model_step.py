@@ -1,0 +1,121 @@
+"""The LLaMA model's fwd+bwd step: bf16 vs static low-cost vs GNMR-routed, side by side.
+
+For each low-cost path (int8, fp8): the static step (no cond in the program) and the routed
+step (mode='gnmr', layers unrolled as policy.scan_unroll asks) with 0, 1 and max_o units
+recovered, all timed interleaved in one run against the bf16 step. Ratios:
+  x_bf16      bf16 step time / this step time (tokens/s relative to bf16)
+  rec0/static routed with an empty mask / static (routing's own cost; goal <= 1.03)
+  recK/interp routed with K units recovered / linear interpolation between the static and
+              bf16 steps at K of N units (goal <= 1.03)
+Also compile seconds and optimized-HLO size of each program. Last line:
+`model_routed_empty_over_static: <worst ratio>`.
+
+  python benchmarks/model_step.py                      # tiny config, CPU size
+  python benchmarks/model_step.py --model 1b --batch 32 --seq 256   # the H200 goal size
+"""
+import argparse
+import datetime
+import functools
+import os
+import platform
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._timing import compile_stats, interleaved_seconds  # noqa: E402
+from gnmr_jax import precision  # noqa: E402
+from gnmr_jax.model import PROJECTIONS, Transformer  # noqa: E402
+from gnmr_jax.model_configs import model_config  # noqa: E402
+
+
+def policy_for(mode, path):
+  cfg = precision.default_precision_config()
+  cfg.mode, cfg.low_cost_path = mode, path
+  return precision.make_policy(cfg)
+
+
+def mask_tree(num_layers, k):
+  """A recovery mask with k (layer, projection) units on, spread over layers."""
+  units = [(group, proj) for group, projs in PROJECTIONS.items() for proj in projs]
+  n = num_layers * len(units)
+  on = np.zeros(n, bool)
+  if k:
+    on[np.linspace(0, n - 1, k).astype(int)] = True
+  on = on.reshape(len(units), num_layers)
+  tree = {"layers": {group: {} for group in PROJECTIONS}}
+  for (group, proj), bits in zip(units, on):
+    tree["layers"][group][proj] = {"kernel": jnp.asarray(bits)}
+  return tree
+
+
+def make_step(model_cfg, policy):
+  cfg = ml_collections.ConfigDict(model_cfg.to_dict())
+  cfg.scan_unroll = policy.scan_unroll(cfg.num_layers)
+  model = Transformer(cfg, policy)
+
+  def loss(params, tokens, mask):
+    logits = model.apply({"params": params}, tokens, recovery_mask=mask)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+  return model, jax.jit(jax.value_and_grad(loss))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--model", default="tiny")
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--seq", type=int, default=128)
+  parser.add_argument("--paths", default="int8,fp8")
+  parser.add_argument("--max_o", type=int, default=4)
+  parser.add_argument("--dtype", default="bfloat16", help="compute dtype of the model")
+  parser.add_argument("--rounds", type=int, default=4)
+  parser.add_argument("--iters", type=int, default=3)
+  args = parser.parse_args()
+  model_cfg = model_config(args.model)
+  model_cfg.dtype = args.dtype
+  model_cfg.vocab_size = max(model_cfg.vocab_size, 256)
+  L = model_cfg.num_layers
+  n_units = 7 * L
+  tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, model_cfg.vocab_size)
+  bf16_model, bf16_step = make_step(model_cfg, policy_for("static", "bf16"))
+  params = jax.jit(lambda k: bf16_model.init(k, tokens)["params"])(jax.random.key(0))
+  params = jax.tree.map(lambda x: getattr(x, "value", x), params,
+                        is_leaf=lambda x: hasattr(x, "value"))
+  masks = {k: mask_tree(L, k) for k in (0, 1, args.max_o)}
+  print(f"# {datetime.date.today()} {platform.node()} jax {jax.__version__} backend "
+        f"{jax.default_backend()} ({jax.devices()[0].device_kind}); model {args.model} "
+        f"L={L} d={model_cfg.d_model} tokens/step={args.batch * args.seq} units={n_units} "
+        f"max_o={args.max_o} dtype={args.dtype}")
+  print("path | variant | compile_s | hlo_kB | ms | x_bf16 | rec0/static | rec1/interp | "
+        f"rec{args.max_o}/interp")
+  worst = 0.0
+  for path in args.paths.split(","):
+    steps = {"bf16": bf16_step, "static": make_step(model_cfg, policy_for("static", path))[1],
+             "routed": make_step(model_cfg, policy_for("gnmr", path))[1]}
+    stats = {name: compile_stats(fn, params, tokens, masks[0])[1:] for name, fn in steps.items()}
+    calls = {("bf16", 0): functools.partial(steps["bf16"], params, tokens, None),
+             ("static", 0): functools.partial(steps["static"], params, tokens, None)}
+    for k in masks:
+      calls[("routed", k)] = functools.partial(steps["routed"], params, tokens, masks[k])
+    t = interleaved_seconds(calls, rounds=args.rounds, iters=args.iters)
+    t_bf16, t_static = t["bf16", 0], t["static", 0]
+    interp = lambda k: t_static + (t_bf16 - t_static) * k / n_units
+    ratios = [t["routed", 0] / t_static, t["routed", 1] / interp(1),
+              t["routed", args.max_o] / interp(args.max_o)]
+    worst = max(worst, ratios[0])
+    for name, ms in (("bf16", t_bf16), ("static", t_static), ("routed", t["routed", 0])):
+      c, h = stats[name]
+      extra = " | ".join(f"{r:.3f}" for r in ratios) if name == "routed" else "- | - | -"
+      print(f"{path} | {name} | {c:.1f} | {h / 1e3:.0f} | {ms * 1e3:.2f} | "
+            f"{t_bf16 / ms:.2f} | {extra}")
+  print(f"model_routed_empty_over_static: {worst:.3f}")
+
+
+if __name__ == "__main__":
+  main()
