@@ -3,7 +3,9 @@
   python train.py --config=configs/tiny.py --workdir=workdirs/tiny \
       --config.gnmr.max_o=5 --config.train.steps=200
 
-Bad flags or config values end with one line naming what is wrong (exit 2); the training
+Bad flags or config values end with one line naming what is wrong (exit 2), a run that
+diverges (train.max_consecutive_nonfinite non-finite steps in a row) with one line after saving
+its last good checkpoint (exit 3), SIGTERM with a checkpoint and exit 0; the training
 loop itself lives in gnmr_jax.train_loop so notebooks run the same code.
 """
 
@@ -45,6 +47,9 @@ def main(argv):
   except USER_ERRORS as e:
     print(f"train.py: error: {e}", file=sys.stderr)
     sys.exit(2)
+  except FloatingPointError as e:  # too many consecutive non-finite steps; checkpoint saved
+    print(f"train.py: training diverged: {e}", file=sys.stderr)
+    sys.exit(3)
   print(train_loop.format_summary(summary), flush=True)
 
 

@@ -8,18 +8,23 @@ ValueError naming the field and the allowed values.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
 import ml_collections
 
 from gnmr_jax.data.config import default_data_config, validate_data_config
+from gnmr_jax.faults import default_faults_config, validate_faults_config
 from gnmr_jax.model_configs import model_config, validate_model_config
 from gnmr_jax.sharding import MESH_AXES, default_mesh_config, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
 
-NONFINITE_POLICIES = ("skip", "none")
-GROUPS = ("model", "data", "train", "optimizer", "gnmr", "precision", "checkpoint", "logging", "mesh")
+NONFINITE_POLICIES = ("skip", "zero", "none")
+GROUPS = ("model", "data", "train", "optimizer", "gnmr", "precision", "checkpoint", "logging", "mesh",
+          "faults")
+# Groups a config may omit (configs written before they existed); they default to off.
+OPTIONAL_GROUPS = ("faults",)
 
 
 def gnmr_config() -> ml_collections.ConfigDict:
@@ -78,8 +83,9 @@ def base_config(model: str = "tiny") -> ml_collections.ConfigDict:
   config.optimizer.eps = 1e-8
   # Global-norm clipping threshold (0 disables clipping).
   config.optimizer.grad_clip = 1.0
-  # What to do with a step whose gradients are not finite: 'skip' the update (the controller still
-  # sees the gradients and ranks the bad units first) or 'none' (no guard).
+  # What to do with a step whose gradients are not finite: 'skip' the whole update (the controller
+  # still sees the gradients and ranks the bad units first), 'zero' only the updates of the units
+  # (and non-unit leaves) whose gradient is not finite, the others proceed, or 'none' (no guard).
   config.optimizer.nonfinite = "skip"
 
   config.gnmr = gnmr_config()
@@ -105,6 +111,8 @@ def base_config(model: str = "tiny") -> ml_collections.ConfigDict:
 
   # Mesh axis sizes (data, fsdp, tensor); -1 means "all remaining devices".
   config.mesh = default_mesh_config()
+  # Fault injection for reliability tests (off); see gnmr_jax/faults.py.
+  config.faults = default_faults_config()
   return config
 
 
@@ -117,18 +125,19 @@ def _int(cfg, group, field, minimum):
 def _float(cfg, group, field, minimum=0.0, inclusive=False, maximum=None):
   value = cfg[field]
   ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+  ok = ok and math.isfinite(value)
   ok = ok and (value >= minimum if inclusive else value > minimum)
   ok = ok and (maximum is None or value <= maximum)
   if not ok:
     bound = f"{'>=' if inclusive else '>'} {minimum}" + (f" and <= {maximum}" if maximum else "")
-    raise ValueError(f"config.{group}.{field} must be a number {bound}, got {value!r}.")
+    raise ValueError(f"config.{group}.{field} must be a finite number {bound}, got {value!r}.")
 
 
 def _check_keys(config):
   unknown = sorted(set(config.keys()) - set(GROUPS))
   if unknown:
     raise ValueError(f"config has unknown groups {unknown}; valid groups: {list(GROUPS)}.")
-  missing = sorted(set(GROUPS) - set(config.keys()))
+  missing = sorted(set(GROUPS) - set(OPTIONAL_GROUPS) - set(config.keys()))
   if missing:
     raise ValueError(f"config is missing groups {missing}.")
   reference = base_config()
@@ -183,6 +192,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   if extra:
     raise ValueError(f"config.mesh has unknown fields {extra}; valid fields: {list(MESH_AXES)}.")
   mesh_shape(config.mesh, device_count or jax.device_count())
+  if "faults" in config:
+    validate_faults_config(config.faults)
   if config.data.seq_len > config.model.max_seq_len:
     raise ValueError(f"config.data.seq_len ({config.data.seq_len}) exceeds "
                      f"config.model.max_seq_len ({config.model.max_seq_len}).")

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
+from gnmr_jax import units as units_lib
 from gnmr_jax.controller import gnmr
 
 
@@ -22,13 +27,70 @@ def controller_from_config(g: ml_collections.ConfigDict) -> optax.GradientTransf
               warmup=g.warmup, units=g.units or None, layer_axis=g.layer_axis or None)
 
 
+class ZeroNonfiniteState(NamedTuple):
+  """State of :func:`zero_nonfinite_units`."""
+  inner_state: Any
+  num_zeroed: jax.Array    # int32 []: units (and non-unit leaves) zeroed at the last step
+  total_zeroed: jax.Array  # int32 []: cumulative count over all steps
+
+
+def zero_nonfinite_units(inner: optax.GradientTransformation, units=None,
+                         layer_axis=None) -> optax.GradientTransformationExtraArgs:
+  """Runs `inner` with every non-finite unit's gradient replaced by zeros, then zeroes that
+  unit's update; the other units update normally.
+
+  Granularity: one recoverable unit (a leaf, or one layer's slice of a layer-stacked leaf,
+  selected like :func:`gnmr_jax.gnmr`'s `units` / `layer_axis`); other leaves as a whole. NaN and
+  Inf therefore reach neither the parameters nor `inner`'s state (AdamW's moments see a zero
+  gradient for that unit: finite, decayed by b1 / b2 for one step), and a global-norm clip
+  inside `inner` sees only the finite units.
+
+  Args:
+    inner: the transform to guard (e.g. chain(clip, adamw)).
+    units: regex / callable / None selecting recoverable leaves (None: ndim >= 2).
+    layer_axis: regex / callable / None for layer-stacked leaves.
+
+  Returns:
+    A transform with state :class:`ZeroNonfiniteState`.
+  """
+  unit_selector = units_lib.compile_selector(units, "units")
+  axis_selector = units_lib.compile_selector(layer_axis, "layer_axis")
+
+  def init_fn(params):
+    return ZeroNonfiniteState(inner.init(params), jnp.zeros((), jnp.int32),
+                              jnp.zeros((), jnp.int32))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    layout = units_lib.resolve_units(updates, unit_selector, axis_selector)
+    finite, num_bad = [], jnp.zeros((), jnp.int32)
+    for leaf, info in zip(leaves, layout):
+      if info.is_unit and info.layer_axis is not None:
+        axes = tuple(a for a in range(leaf.ndim) if a != info.layer_axis)
+        ok = jnp.all(jnp.isfinite(leaf), axis=axes, keepdims=True)
+      else:
+        ok = jnp.all(jnp.isfinite(leaf))
+      num_bad = num_bad + jnp.sum(~ok, dtype=jnp.int32)
+      finite.append(ok)
+    clean = [jnp.where(ok, leaf, jnp.zeros((), leaf.dtype)) for leaf, ok in zip(leaves, finite)]
+    new_updates, inner_state = inner.update(jax.tree_util.tree_unflatten(treedef, clean),
+                                            state.inner_state, params, **extra_args)
+    out = [jnp.where(ok, u, jnp.zeros((), u.dtype))
+           for u, ok in zip(jax.tree_util.tree_leaves(new_updates), finite)]
+    return jax.tree_util.tree_unflatten(treedef, out), ZeroNonfiniteState(
+        inner_state, num_bad, state.total_zeroed + num_bad)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """optax.chain(gnmr, apply_if_finite(chain(clip, adamw))) from config.
 
   The controller comes first so it sees raw gradients, including non-finite
   ones (it ranks those units first and keeps them out of its history); the
   guard then skips the parameter update of a non-finite step, so NaN/Inf never
-  reaches the parameters.
+  reaches the parameters. With nonfinite='zero' the guard is
+  :func:`zero_nonfinite_units` instead: only the non-finite units' updates are zeroed.
   """
   opt = config.optimizer
   schedule = learning_rate_schedule(opt, config.train.steps)
@@ -40,5 +102,8 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   update = optax.chain(*inner)
   if opt.nonfinite == "skip":
     update = optax.apply_if_finite(update, max_consecutive_errors=2**30)
+  elif opt.nonfinite == "zero":
+    update = zero_nonfinite_units(update, config.gnmr.units or None,
+                                  config.gnmr.layer_axis or None)
   parts = [controller_from_config(config.gnmr)] if config.gnmr.enabled else []
   return optax.chain(*parts, update)

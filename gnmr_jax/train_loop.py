@@ -9,6 +9,7 @@ the RNG and the data iterator position, so a reused --workdir resumes exactly.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import signal
@@ -24,6 +25,7 @@ import optax
 import flax.linen as nn
 
 from gnmr_jax import checkpointing, metrics_log, sharding
+from gnmr_jax import faults as faults_lib
 from gnmr_jax.config import validate_config
 from gnmr_jax.controller import GNMRState, controller_state
 from gnmr_jax.data import make_data
@@ -55,6 +57,7 @@ class Run:
   train_step: Any       # jitted (state, batch) -> (state, metrics)
   eval_step: Any        # jitted (state, batch) -> (sum_loss, num_tokens)
   unit_names: list
+  faults: Any = None    # gnmr_jax.faults.FaultInjector when config.faults is on, else None
 
 
 def cross_entropy(logits_BxSxV, targets_BxS):
@@ -70,14 +73,13 @@ def _controller(opt_state) -> Optional[GNMRState]:
     return None
 
 
-def _unit_leaf_flags(unit_regex, layer_regex, params) -> list:
+def _unit_layout(unit_regex, layer_regex, params) -> list:
   from gnmr_jax import units as units_lib  # pylint: disable=g-import-not-at-top
-  layout = units_lib.resolve_units(params, units_lib.compile_selector(unit_regex, "units"),
-                                   units_lib.compile_selector(layer_regex, "layer_axis"))
-  return [u.is_unit for u in layout]
+  return units_lib.resolve_units(params, units_lib.compile_selector(unit_regex or None, "units"),
+                                 units_lib.compile_selector(layer_regex or None, "layer_axis"))
 
 
-def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule):
+def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, injector=None):
   def select(tree):
     leaves = [l for l, keep in zip(jax.tree_util.tree_leaves(tree), unit_flags) if keep]
     return jnp.concatenate([jnp.ravel(l) for l in leaves]) if leaves else jnp.zeros((0,))
@@ -85,13 +87,21 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule):
   def train_step(state: TrainState, batch):
     ctl = _controller(state.opt_state)
     mask = ctl.mask if (routed and ctl is not None) else None
+    step_number = state.step + 1  # 1-based, as logged
 
     def loss_fn(params):
+      if injector is not None:  # reliability tests only (config.faults)
+        params = injector.corrupt_params(params, step_number,
+                                         select(mask) if mask is not None else None)
       logits = model.apply({"params": params}, batch["inputs"], recovery_mask=mask)
       loss, _, _ = cross_entropy(logits, batch["targets"])
+      if injector is not None:
+        loss = injector.corrupt_loss(loss, step_number)
       return loss
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    if injector is not None:
+      grads = injector.corrupt_grads(grads, step_number)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
@@ -189,9 +199,10 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
       rng=replicated)
   unit_flags = []
   unit_names = []
+  layout = _unit_layout(config.gnmr.units, config.gnmr.layer_axis, abstract.params)
+  injector = faults_lib.make_injector(config, layout)
   if config.gnmr.enabled:
-    unit_flags = _unit_leaf_flags(config.gnmr.units, config.gnmr.layer_axis,
-                                  abstract.params)
+    unit_flags = [u.is_unit for u in layout]
     ctl = controller_state(abstract.opt_state)
     names = metrics_log.flat_unit_names(ctl.mask)
     # flat_unit_names expands every leaf; keep only the unit leaves' names.
@@ -203,7 +214,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
       offset += size
   schedule = learning_rate_schedule(config.optimizer, config.train.steps)
   batch_sh = sharding.batch_sharding(mesh)
-  train_step = jax.jit(_make_train_step(model, tx, policy.routed, unit_flags, schedule),
+  train_step = jax.jit(_make_train_step(model, tx, policy.routed, unit_flags, schedule, injector),
                        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                        donate_argnums=0)
   eval_step = jax.jit(_make_eval_step(model, policy.routed), in_shardings=(state_sh, batch_sh),
@@ -212,7 +223,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   return Run(config=config, model_config=model_config, data=data, policy=policy, model=model,
              tx=tx, mesh=mesh, state_shardings=state_sh, batch_sharding=batch_sh,
              init_state=init_fn, train_step=train_step, eval_step=eval_step,
-             unit_names=unit_names)
+             unit_names=unit_names, faults=injector)
 
 
 def device_batch(run: Run, batch: dict) -> dict:
@@ -255,6 +266,27 @@ class _Preemption:
       signal.signal(signal.SIGTERM, self._previous)
 
 
+def _truncate_logs(workdir: str, start: int) -> None:
+  """Drops JSONL rows after the step a run resumes from (a killed run logged steps past its last
+  checkpoint, possibly a half-written line), so the logs read as one uninterrupted run."""
+  for name in (metrics_log.METRICS_FILE, metrics_log.EVAL_FILE, metrics_log.UNITS_FILE):
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+      continue
+    kept = []
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except ValueError:  # a line cut short by SIGKILL
+          continue
+        if isinstance(row, dict) and row.get("step", start + 1) <= start:
+          kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
 def _host(metrics: dict) -> dict:
   return {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
 
@@ -295,6 +327,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
       start, state, data_state = restored
       train_iter.set_state(data_state)
   total = config.train.steps
+  if is_main:
+    _truncate_logs(workdir, start)
   log = metrics_log.MetricsLogger(
       workdir, total, tensorboard=config.logging.tensorboard,
       progress_bar=config.logging.progress_bar, unit_names=run.unit_names, start_step=start,
@@ -348,13 +382,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
         last_host = handle(*pending)
       pending = (step, metrics)
       if bad_streak >= config.train.max_consecutive_nonfinite:
-        save(step, force=True)
+        guarded = config.optimizer.nonfinite != "none"
+        if guarded:  # the guard kept NaN/Inf out of the params: this state is the last good one
+          save(step, force=True)
+        what = {"skip": "updates were skipped", "zero": "non-finite updates were zeroed",
+                "none": "optimizer.nonfinite='none' let them into the parameters"}
+        kept = (f"the checkpoint saved at step {step} holds the last good parameters" if guarded
+                else f"the last checkpoint before them is at step {ckpt.latest_step()}")
         ckpt.close()
         log.close()
         raise FloatingPointError(
             f"{bad_streak} consecutive steps with a non-finite loss or gradient (up to step "
-            f"{step - 1}); updates were skipped, so the checkpoint saved at step {step} holds the "
-            f"last good parameters. Lower optimizer.learning_rate or check the data.")
+            f"{step - 1}, train.max_consecutive_nonfinite={config.train.max_consecutive_nonfinite}"
+            f"); {what[config.optimizer.nonfinite]}, so {kept}. Lower optimizer.learning_rate or "
+            f"check the data.")
       if config.train.eval_every and step % config.train.eval_every == 0 and step < total:
         last_host = handle(*pending)
         pending = None
@@ -376,6 +417,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
   ckpt.close()
 
   summary = {"workdir": workdir, "step": int(step), "preempted": preempted,
+             "resumed_from_step": int(start),
+             "corrupted_checkpoints": [[int(s), r] for s, r in ckpt.corrupted],
              "precision_mode": config.precision.mode,
              "low_cost_path": config.precision.low_cost_path,
              "num_params": int(sum(x.size for x in jax.tree_util.tree_leaves(state.params))),
@@ -403,6 +446,10 @@ def format_summary(summary: dict) -> str:
            f"  steps                     {summary['step']}" +
            ("  (preempted: checkpoint saved)" if summary.get("preempted") else ""),
            f"  precision                 {summary['precision_mode']} / {summary['low_cost_path']}",
+           *([f"  resumed from step         {summary['resumed_from_step']}"]
+             if summary.get("resumed_from_step") else []),
+           *[f"  corrupted checkpoint      step {s} skipped ({r[:120]})"
+             for s, r in summary.get("corrupted_checkpoints", [])],
            f"  parameters                {summary['num_params']:,}"]
   if "eval_perplexity" in summary:
     lines.append(f"  validation perplexity     {summary['eval_perplexity']:.3f} "
