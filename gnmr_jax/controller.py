@@ -47,7 +47,15 @@ ScalarOrSchedule = Union[float, Callable[[jax.Array], jax.Array]]
 
 
 class GNMRTelemetry(NamedTuple):
-  """Per-step counts, cheap to fetch for logging (all int32 scalars)."""
+  """Per-step counts, cheap to fetch for logging (all int32 scalars).
+
+  Example:
+    >>> import jax.numpy as jnp, gnmr_jax
+    >>> tx = gnmr_jax.gnmr(alpha=2.0, beta=1.5, delta=4, max_o=2, t_lock=1)
+    >>> telemetry = tx.init({'a': jnp.ones((2, 2)), 'b': jnp.ones((2, 2))}).telemetry
+    >>> {name: int(count) for name, count in telemetry._asdict().items()}['num_units']
+    2
+  """
   num_units: jax.Array        # number of recoverable units (constant)
   num_risky: jax.Array        # units over a threshold (or non-finite) this step
   num_candidates: jax.Array   # risky or locked units this step
@@ -64,6 +72,13 @@ class GNMRState(NamedTuple):
   Per-unit fields mirror the params tree; each leaf has shape () or (L,) for
   layer-stacked leaves (``window`` adds a trailing (delta,) axis). Leaves that
   are not recoverable units hold scalar False/0.
+
+  Example:
+    >>> import jax.numpy as jnp, gnmr_jax
+    >>> tx = gnmr_jax.gnmr(alpha=2.0, beta=1.5, delta=3, max_o=1, t_lock=2)
+    >>> state = tx.init({'w': jnp.ones((4, 4)), 'b': jnp.zeros(4)})
+    >>> state.window['w'].shape, state.window['b'].shape, int(state.telemetry.num_units)
+    ((3,), (), 1)
   """
   count: jax.Array        # int32 []: number of updates done
   mask: Any               # bool: recovery mask for the next step
@@ -288,8 +303,31 @@ def _find_states(opt_state) -> list[GNMRState]:
 def controller_state(opt_state) -> GNMRState:
   """Finds the GNMRState anywhere inside a (chained, nested, masked) optax state.
 
+  Args:
+    opt_state: the state of an optax transform that chains ``gnmr`` once.
+
+  Returns:
+    The :class:`GNMRState`: per-unit statistics, locks, the mask and telemetry.
+
   Raises:
     ValueError: if there is no GNMRState, or more than one.
+
+  Example:
+    An isolated gradient spike at step 3 (GNMR = 30 / mean(3, 3) = 10 > alpha)
+    puts the unit in the mask and locks it for ``t_lock`` more steps:
+
+    >>> import jax.numpy as jnp, optax, gnmr_jax
+    >>> tx = optax.chain(gnmr_jax.gnmr(alpha=2.0, beta=1.5, delta=4, max_o=1, t_lock=2),
+    ...                  optax.sgd(0.1))
+    >>> params = {'w': jnp.ones((3, 3))}
+    >>> state = tx.init(params)
+    >>> for scale in (1.0, 1.0, 10.0):
+    ...   _, state = tx.update({'w': scale * jnp.ones((3, 3))}, state, params)
+    >>> ctl = gnmr_jax.controller_state(state)
+    >>> int(ctl.count), float(ctl.norm['w']), float(ctl.gnmr['w']), bool(ctl.risky['w'])
+    (3, 30.0, 10.0, True)
+    >>> bool(ctl.mask['w']), int(ctl.lock['w']), int(ctl.telemetry.active_unit_steps)
+    (True, 2, 1)
   """
   found = _find_states(opt_state)
   if len(found) != 1:
@@ -299,5 +337,19 @@ def controller_state(opt_state) -> GNMRState:
 
 
 def recovery_mask(opt_state):
-  """The recovery mask tree (bool, mirrors params) for the next step, from an optax state."""
+  """The recovery mask tree (bool, mirrors params) for the next step, from an optax state.
+
+  Leaves are bool[] per unit, bool[L] for layer-stacked leaves (``layer_axis``),
+  and scalar False for leaves that are not units. Feed them to the model (for
+  example ``policy.dot_general(mask['dense']['kernel'])``) on the next step.
+
+  Example:
+    >>> import jax.numpy as jnp, gnmr_jax
+    >>> params = {'layers': {'q': {'kernel': jnp.ones((3, 4, 4))}}, 'head': jnp.ones((4, 2))}
+    >>> tx = gnmr_jax.gnmr(alpha=2.0, beta=1.5, delta=4, max_o=1, t_lock=0,
+    ...                    units=r'layers/.*kernel', layer_axis=r'^layers/')
+    >>> mask = gnmr_jax.recovery_mask(tx.init(params))
+    >>> mask['layers']['q']['kernel'].shape, mask['layers']['q']['kernel'].dtype, mask['head'].shape
+    ((3,), dtype('bool'), ())
+  """
   return controller_state(opt_state).mask

@@ -98,6 +98,14 @@ def projection_recover_bits(recovery_mask: Any, num_layers: int) -> dict:
 
   Raises:
     ValueError: a projection leaf is missing or not of shape [num_layers].
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> mask = {'layers': {group: {name: {'kernel': jnp.array([group == 'mlp', False])}
+    ...                            for name in names} for group, names in PROJECTIONS.items()}}
+    >>> bits = projection_recover_bits({'params': mask}, num_layers=2)
+    >>> sorted(bits['attn']), bits['mlp']['up'].tolist(), bits['attn']['q'].tolist()
+    (['k', 'o', 'q', 'v'], [True, False], [False, False])
   """
   tree = meta.unbox(recovery_mask)
   if 'params' in tree and 'layers' not in tree:
@@ -276,6 +284,26 @@ class Transformer(nn.Module):
   Attributes:
     config: a model config (see gnmr_jax.model_configs.model_config).
     policy: precision policy with `.routed` and `.dot(x, kernel, recover=None)`.
+
+  Example:
+    Routed int8/bf16 projections driven by the controller's mask (one unit per
+    projection per layer):
+
+    >>> import flax.linen as nn, jax, jax.numpy as jnp, gnmr_jax
+    >>> from gnmr_jax.model_configs import model_config
+    >>> from gnmr_jax.precision import make_policy, default_precision_config
+    >>> config = model_config('tiny')
+    >>> config.num_layers, config.d_model, config.ffn_dim = 2, 64, 128
+    >>> model = Transformer(config, make_policy(default_precision_config()))
+    >>> tokens = jnp.zeros((1, 8), jnp.int32)
+    >>> params = nn.unbox(model.init(jax.random.key(0), tokens)['params'])  # plain arrays
+    >>> tx = gnmr_jax.gnmr(alpha=2.0, beta=1.5, delta=8, max_o=4, t_lock=5,
+    ...                    units=PROJECTION_UNITS_REGEX, layer_axis=r'^layers/')
+    >>> state = tx.init(params)
+    >>> int(state.telemetry.num_units)
+    14
+    >>> model.apply({'params': params}, tokens, gnmr_jax.recovery_mask(state)).shape
+    (1, 8, 256)
   """
   config: ml_collections.ConfigDict
   policy: Policy

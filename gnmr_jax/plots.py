@@ -1,4 +1,27 @@
-"""Plots of a run directory: loss curves and the recovery heatmap (units x steps), as PNG."""
+"""Plots of a run directory: loss curves and the recovery heatmap (units x steps), as PNG.
+
+A run directory holds metrics.jsonl, eval.jsonl, units.jsonl and unit_names.json as
+written by ``gnmr_jax.metrics_log.MetricsLogger`` (train_and_evaluate writes them).
+
+Example:
+  >>> import os, tempfile
+  >>> from gnmr_jax import metrics_log
+  >>> workdir = tempfile.mkdtemp()
+  >>> log = metrics_log.MetricsLogger(workdir, 2, tensorboard=False, progress_bar=False,
+  ...                                 unit_names=['attn/q[0]', 'attn/q[1]'])
+  >>> for step, loss in ((1, 3.0), (2, 2.5)):
+  ...   log.train(step, {'loss': loss})
+  ...   log.units(step, mask=[step == 2, False], score=[1.5 * step, 0.4],
+  ...             gnmr=[2.0, 0.5], delta_gnmr=[1.0, 1.0])
+  >>> log.close()
+  >>> names, steps, mask = recovery_matrix(workdir, 'mask')
+  >>> names, steps, mask.tolist()
+  (['attn/q[0]', 'attn/q[1]'], [1, 2], [[0.0, 1.0], [0.0, 0.0]])
+  >>> sorted(plot_run(workdir))
+  ['loss', 'recovery_heatmap', 'score_heatmap']
+  >>> os.path.getsize(os.path.join(workdir, 'plots', 'recovery_heatmap.png')) > 1000
+  True
+"""
 
 from __future__ import annotations
 
@@ -18,7 +41,25 @@ def _pyplot():
 
 
 def plot_losses(runs: dict, path: str, title: str = "loss") -> str:
-  """Train (thin) and validation (markers) loss per run label -> PNG at `path`."""
+  """Train (thin) and validation (markers) loss per run label -> PNG at `path`.
+
+  Args:
+    runs: ``{label: workdir}``; one colour per run (e.g. GNMR and the static run).
+    path: where the PNG goes.
+    title: the axes title.
+
+  Returns:
+    ``path``.
+
+  Example:
+    >>> import json, os, tempfile
+    >>> workdir = tempfile.mkdtemp()
+    >>> with open(os.path.join(workdir, metrics_log.METRICS_FILE), 'w') as f:
+    ...   _ = f.write('\\n'.join(json.dumps({'step': s, 'loss': 3.0 / s}) for s in (1, 2, 3)))
+    >>> out = plot_losses({'gnmr': workdir}, os.path.join(workdir, 'loss.png'))
+    >>> os.path.getsize(out) > 1000
+    True
+  """
   plt = _pyplot()
   fig, ax = plt.subplots(figsize=(7, 4))
   for i, (label, workdir) in enumerate(runs.items()):
@@ -42,7 +83,22 @@ def plot_losses(runs: dict, path: str, title: str = "loss") -> str:
 
 
 def recovery_matrix(workdir: str, field: str = "mask"):
-  """(unit names, steps, [units, steps] matrix) from <workdir>/units.jsonl."""
+  """(unit names, steps, [units, steps] matrix) from <workdir>/units.jsonl.
+
+  Args:
+    workdir: a run directory.
+    field: 'mask' (1.0 = on the recovery path that step), 'score' (risk score r),
+      'gnmr' or 'delta_gnmr'.
+
+  Returns:
+    (list of unit names, list of logged steps, float64 [units, steps] array).
+
+  Example:
+    >>> import tempfile
+    >>> names, steps, matrix = recovery_matrix(tempfile.mkdtemp(), 'score')
+    >>> names, steps, matrix.shape
+    ([], [], (0, 0))
+  """
   rows = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.UNITS_FILE))
   names_path = os.path.join(workdir, metrics_log.UNIT_NAMES_FILE)
   names = json.load(open(names_path, encoding="utf-8")) if os.path.exists(names_path) else []
@@ -53,7 +109,12 @@ def recovery_matrix(workdir: str, field: str = "mask"):
 
 
 def plot_recovery_heatmap(workdir: str, path: str, field: str = "mask") -> str:
-  """Heatmap of the recovery mask (or a score field) over units x logged steps."""
+  """Heatmap of the recovery mask (or a score field) over units x logged steps.
+
+  ``field='mask'``: dark = on the recovery path; other fields are drawn as
+  log10 (clipped to [1e-3, 1e3]), so for 'score' log10 r > 0 means risky.
+  Returns ``path`` (see the module docstring for an example).
+  """
   plt = _pyplot()
   names, steps, matrix = recovery_matrix(workdir, field)
   fig, ax = plt.subplots(figsize=(9, max(3, 0.12 * len(names) + 1)))
@@ -74,7 +135,11 @@ def plot_recovery_heatmap(workdir: str, path: str, field: str = "mask") -> str:
 
 
 def plot_run(workdir: str) -> dict:
-  """Writes <workdir>/plots/{loss,recovery_heatmap,score_heatmap}.png; returns their paths."""
+  """Writes <workdir>/plots/{loss,recovery_heatmap,score_heatmap}.png; returns their paths.
+
+  The heatmaps are drawn only when units.jsonl exists (the controller is enabled
+  and ``logging.unit_log_every > 0``). See the module docstring for an example.
+  """
   out = os.path.join(workdir, "plots")
   os.makedirs(out, exist_ok=True)
   paths = {"loss": plot_losses({"run": workdir}, os.path.join(out, "loss.png"))}

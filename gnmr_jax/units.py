@@ -21,7 +21,16 @@ LayerAxisSelector = Union[None, str, Callable[[str, Any], Optional[int]]]
 
 
 def path_to_str(path: Sequence[Any]) -> str:
-  """Joins a JAX key path with '/' (``('params', 'layers', 'q')`` -> ``'params/layers/q'``)."""
+  """Joins a JAX key path with '/' (``('params', 'layers', 'q')`` -> ``'params/layers/q'``).
+
+  These are the names that the ``units`` and ``layer_axis`` regexes are searched in.
+
+  Example:
+    >>> import jax
+    >>> tree = {'params': {'mlp': {'kernel': 0, 'bias': 0}}, 'step': [0]}
+    >>> [path_to_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    ['params/mlp/bias', 'params/mlp/kernel', 'step/0']
+  """
   parts = []
   for key in path:
     if isinstance(key, jax.tree_util.DictKey):
@@ -61,7 +70,16 @@ class LeafUnits:
 
 
 def compile_selector(selector, what: str):
-  """Turns a regex string into a predicate; validates callables. Raises ValueError."""
+  """Turns a regex string into a predicate; validates callables. Raises ValueError.
+
+  Example:
+    >>> compile_selector(r'(attn|mlp)/[a-z]+/kernel', 'units').search('layers/mlp/up/kernel') is not None
+    True
+    >>> compile_selector('(', 'units')
+    Traceback (most recent call last):
+    ...
+    ValueError: gnmr: `units` is not a valid regular expression ('(': ...).
+  """
   if selector is None or callable(selector):
     return selector
   if isinstance(selector, str):
@@ -90,6 +108,13 @@ def resolve_units(tree, units, layer_axis) -> list[LeafUnits]:
 
   Raises:
     ValueError: a regex that matches no leaf, or a layer axis out of range.
+
+  Example:
+    >>> import re, jax.numpy as jnp
+    >>> tree = {'layers': {'q': {'kernel': jnp.zeros((2, 8, 8))}}, 'norm': jnp.zeros(8)}
+    >>> layout = resolve_units(tree, None, re.compile(r'^layers/'))
+    >>> [(u.path, u.is_unit, u.unit_shape, u.num_units) for u in layout]
+    [('layers/q/kernel', True, (2,), 2), ('norm', False, (), 0)]
   """
   leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
   layout = []
@@ -131,6 +156,14 @@ def unit_norms(leaves: Sequence[jax.Array], layout: Sequence[LeafUnits]) -> list
 
   A unit leaf with a layer axis gives a vector of L norms (reduction over all
   other axes); a plain unit leaf gives a scalar. Non-unit leaves are skipped.
+
+  Example:
+    >>> import re, jax.numpy as jnp
+    >>> grads = {'layers': {'kernel': jnp.stack([jnp.ones((4, 4)), 2 * jnp.ones((4, 4))])},
+    ...          'norm': jnp.ones(4)}
+    >>> layout = resolve_units(grads, None, re.compile(r'^layers/'))
+    >>> [n.tolist() for n in unit_norms(jax.tree_util.tree_leaves(grads), layout)]
+    [[4.0, 8.0]]
   """
   norms = []
   for leaf, info in zip(leaves, layout):

@@ -79,6 +79,20 @@ class PrecisionPolicy:
 
     Returns:
       ``fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None)``.
+
+    Example:
+      A Flax ``Dense`` whose matmul runs ``lax.cond(recover, bf16, int8)``:
+
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> from gnmr_jax.precision import make_policy, default_precision_config
+      >>> policy = make_policy(default_precision_config())  # mode='gnmr': int8 / bf16
+      >>> layer = nn.Dense(3, dot_general=policy.dot_general(jnp.array(True)))
+      >>> x = jnp.ones((2, 8))
+      >>> variables = layer.init(jax.random.key(0), x)
+      >>> layer.apply(variables, x).shape
+      (2, 3)
+      >>> 'cond' in str(jax.make_jaxpr(lambda v: layer.apply(v, x))(variables))
+      True
     """
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None,
@@ -111,7 +125,17 @@ class PrecisionPolicy:
 
   def scan_unroll(self, num_layers: int) -> int:
     """The ``unroll=`` a model should give its layer scan: 1 if static, else
-    ``routed_scan_unroll`` (0 meaning ``num_layers``, fully unrolled)."""
+    ``routed_scan_unroll`` (0 meaning ``num_layers``, fully unrolled).
+
+    Example:
+      >>> from gnmr_jax.precision import make_policy, default_precision_config
+      >>> config = default_precision_config()
+      >>> make_policy(config).scan_unroll(12)   # routed, routed_scan_unroll=0
+      12
+      >>> config.mode = 'static'
+      >>> make_policy(config).scan_unroll(12)
+      1
+    """
     if not self.routed:
       return 1
     return num_layers if self.routed_scan_unroll == 0 else min(

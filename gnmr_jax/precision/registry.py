@@ -31,14 +31,29 @@ def register_path(name: str, builder: PathBuilder) -> PathBuilder:
 
   Args:
     name: path name used in ``config.low_cost_path`` / ``config.recovery_path``.
-    builder: ``(config, role) -> dot``, see the module docstring.
+    builder: ``(config, role) -> Path``, see the module docstring.
 
   Returns:
     ``builder``, so this can be used as a decorator helper.
 
   Example:
-    >>> from gnmr_jax.precision import bf16, register_path
-    >>> _ = register_path('my_bf16', lambda config, role: bf16.PATH)
+    A float32 recovery path from its three matmuls (forward, dlhs, drhs), routed
+    against the int8 low-cost path:
+
+    >>> import jax.numpy as jnp
+    >>> from gnmr_jax import precision
+    >>> from gnmr_jax.precision.path import three_leg_path
+    >>> def f32_matmul(a, b, out_dtype):
+    ...   return jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32)).astype(out_dtype)
+    >>> f32_path = three_leg_path(f32_matmul, f32_matmul, f32_matmul)
+    >>> _ = precision.register_path('doc_f32', lambda config, role: f32_path)
+    >>> config = precision.default_precision_config()
+    >>> config.recovery_path = 'doc_f32'
+    >>> policy = precision.make_policy(config)
+    >>> policy.recovery_path, policy.low_cost_path
+    ('doc_f32', 'int8')
+    >>> policy.dot(jnp.full((1, 4), 0.1), jnp.ones((4, 2)), jnp.array(True)).tolist()
+    [[0.4000000059604645, 0.4000000059604645]]
   """
   if not isinstance(name, str) or not name:
     raise ValueError(f'register_path: name must be a non-empty str, got {name!r}.')
@@ -50,12 +65,25 @@ def register_path(name: str, builder: PathBuilder) -> PathBuilder:
 
 
 def available_paths() -> tuple[str, ...]:
-  """Names of the registered paths, sorted."""
+  """Names of the registered paths, sorted.
+
+  Example:
+    >>> from gnmr_jax.precision import available_paths
+    >>> {'bf16', 'int8', 'fp8', 'saved_activation', 'blockwise'} <= set(available_paths())
+    True
+  """
   return tuple(sorted(_PATHS))
 
 
 def get_path(name: str) -> PathBuilder:
-  """The builder registered as ``name``; ValueError listing the valid names otherwise."""
+  """The builder registered as ``name``; ValueError listing the valid names otherwise.
+
+  Example:
+    >>> get_path('int3')
+    Traceback (most recent call last):
+    ...
+    ValueError: Unknown precision path 'int3'; valid paths: (...'int8'...).
+  """
   if name not in _PATHS:
     raise ValueError(f'Unknown precision path {name!r}; valid paths: {available_paths()}.')
   return _PATHS[name]
