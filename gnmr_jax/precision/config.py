@@ -35,6 +35,13 @@ def default_precision_config() -> ml_collections.ConfigDict:
   config.recovery_saved_activation_bits = 8
   # Stochastic instead of round-to-nearest codes for saved activations.
   config.stochastic_rounding = False
+  # Absmax scale of saved activations: 'token' (one per row) or 'tensor' (one
+  # per activation tensor: outlier tokens flatten the others; a harsher stress).
+  config.saved_activation_scale = 'token'
+  # Also compute the forward of the saved_activation path from the k-bit
+  # activation (the error then reaches the loss and the input gradient of the
+  # earlier layers, and compounds across layers; a harsher stress).
+  config.saved_activation_forward = False
   # Bits of the integer grid of the blockwise (DeepSeek-V3-style) path (2..8).
   config.block_bits = 8
   # Tile length (activations, 1 x block_size) and block side (weights,
@@ -66,6 +73,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _check_choice(config, 'saved_activation_bits', tuple(range(2, 9)))
   _check_choice(config, 'recovery_saved_activation_bits', saved_activation.VALID_BITS)
   _check_choice(config, 'stochastic_rounding', (False, True))
+  _check_choice(config, 'saved_activation_scale', saved_activation.SCALES)
+  _check_choice(config, 'saved_activation_forward', (False, True))
   _check_choice(config, 'block_bits', tuple(range(2, 9)))
   if not isinstance(config.block_size, int) or config.block_size < 1:
     raise ValueError(f"precision config field 'block_size' must be a positive int, "

@@ -1,0 +1,1 @@
+"""Scenario scripts reproducing the paper's three experiments (see RESULTS.md)."""

@@ -1,0 +1,362 @@
+"""Shared machinery of the scenario scripts: arms, runs (arms x seeds), summaries.
+
+An arm is a set of config overrides plus the optimizer chain it trains with.
+Every run trains through `gnmr_jax.train_loop.train_and_evaluate` in its own
+workdir, experiments/runs/<scenario>/<scale>/<arm>/seed<k> (not committed; a run
+whose summary.json is complete is reused, so an interrupted scenario resumes),
+and the scenario's summary goes to experiments/results/<scenario>_<scale>.json
+(committed), from which experiments/report.py regenerates RESULTS.md and the
+figures.
+
+Runs go seed-major (every arm of seed 0, then of seed 1, ...) so that load from
+other processes on a shared machine spreads over the arms instead of landing on
+one of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from typing import Callable, Optional
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from gnmr_jax import baselines, metrics_log
+from gnmr_jax.optim import controller_from_config, learning_rate_schedule
+from gnmr_jax.precision import blockwise, registry
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS_DIR = os.path.join(ROOT, "experiments", "runs")
+RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
+SCALES = ("cpu", "gpu")
+CONTROLLERS = ("gnmr", "random")
+CLIPS = ("none", "global", "zclip", "adagc")
+
+
+def _blockwise_at(bits):
+  def build(config, role):
+    del role
+    return blockwise.blockwise_path(bits, config.block_size)
+  return build
+
+
+# Fixed-width blockwise paths, so one routed policy can pair 6-bit and 8-bit tiles
+# (the library's 'blockwise' path reads one `block_bits` for both roles).
+for _bits in (6, 8):
+  registry.register_path(f"blockwise{_bits}", _blockwise_at(_bits))
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+  """One experimental arm.
+
+  Attributes:
+    name: short id (directory and table key).
+    label: what it is, for the report.
+    role: 'reference', 'static', 'gnmr', 'baseline' or 'ablation' (report grouping).
+    precision: overrides of config.precision.
+    gnmr: overrides of config.gnmr.
+    optimizer: overrides of config.optimizer.
+    controller: 'gnmr' (the controller from config.gnmr) or 'random' (same-budget
+      random recovery, gnmr_jax.baselines.random_recovery).
+    clip: 'none', 'global' (optax.clip_by_global_norm(clip_value)), 'zclip' or
+      'adagc' (gnmr_jax.baselines), applied before AdamW.
+    clip_value: threshold of 'global'.
+  """
+
+  name: str
+  label: str
+  role: str
+  precision: dict = dataclasses.field(default_factory=dict)
+  gnmr: dict = dataclasses.field(default_factory=dict)
+  optimizer: dict = dataclasses.field(default_factory=dict)
+  controller: str = "gnmr"
+  clip: str = "none"
+  clip_value: float = 1.0
+
+  def __post_init__(self):
+    if self.controller not in CONTROLLERS:
+      raise ValueError(f"Arm {self.name}: controller must be one of {CONTROLLERS}.")
+    if self.clip not in CLIPS:
+      raise ValueError(f"Arm {self.name}: clip must be one of {CLIPS}.")
+
+
+def arm_config(base: ml_collections.ConfigDict, arm: Arm, seed: int) -> ml_collections.ConfigDict:
+  """The base config with the arm's overrides and the seed (params and data order)."""
+  config = ml_collections.ConfigDict(base.to_dict())
+  config.precision.update(arm.precision)
+  config.gnmr.update(arm.gnmr)
+  config.optimizer.update(arm.optimizer)
+  config.train.seed = seed
+  config.data.seed = seed
+  return config
+
+
+def make_tx_for(arm: Arm, seed: int) -> Callable:
+  """`config -> optax chain` for train_and_evaluate(make_tx=...).
+
+  Mirrors gnmr_jax.optim.make_optimizer: chain(controller, apply_if_finite(chain(clip,
+  adamw))), with the arm's controller and clipping; config.optimizer.grad_clip is
+  ignored (the arm's `clip` decides).
+  """
+
+  def make_tx(config):
+    opt, g = config.optimizer, config.gnmr
+    schedule = learning_rate_schedule(opt, config.train.steps)
+    inner = []
+    if arm.clip == "global":
+      inner.append(optax.clip_by_global_norm(arm.clip_value))
+    elif arm.clip == "zclip":
+      inner.append(baselines.zclip())
+    elif arm.clip == "adagc":
+      inner.append(baselines.adagc())
+    inner.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
+                             weight_decay=opt.weight_decay))
+    update = optax.apply_if_finite(optax.chain(*inner), max_consecutive_errors=2**30)
+    if arm.controller == "random":
+      controller = baselines.random_recovery(
+          g.max_o, seed, units=g.units or None, layer_axis=g.layer_axis or None,
+          warmup=g.warmup, alpha=g.alpha, beta=g.beta, delta=g.delta)
+    else:
+      controller = controller_from_config(g)
+    return optax.chain(controller, update)
+
+  return make_tx
+
+
+def run_dir(scenario: str, scale: str, arm: str, seed: int) -> str:
+  return os.path.join(RUNS_DIR, scenario, scale, arm, f"seed{seed}")
+
+
+def _complete(workdir: str, steps: int) -> bool:
+  path = os.path.join(workdir, metrics_log.SUMMARY_FILE)
+  if not os.path.exists(path):
+    return False
+  with open(path, encoding="utf-8") as f:
+    summary = json.load(f)
+  return summary.get("step") == steps and not summary.get("preempted")
+
+
+def enable_compilation_cache():
+  """Persistent XLA cache: the seeds of an arm compile the same program once."""
+  path = os.path.join(RUNS_DIR, ".jax_cache")
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def train_arm(scenario, scale, arm: Arm, seed: int, base, data=None,
+              train_fn: Optional[Callable] = None) -> str:
+  """Trains one (arm, seed) unless its workdir already holds a complete run."""
+  workdir = run_dir(scenario, scale, arm.name, seed)
+  config = arm_config(base, arm, seed)
+  if _complete(workdir, config.train.steps):
+    return workdir
+  shutil.rmtree(workdir, ignore_errors=True)
+  t0 = time.time()
+  if train_fn is not None:
+    summary = train_fn(config, workdir, arm, seed)
+  else:
+    from gnmr_jax.train_loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
+    summary = train_and_evaluate(config, workdir, data=data, make_tx=make_tx_for(arm, seed))
+  print(f"[{scenario}/{scale}] {arm.name} seed{seed}: ppl {summary.get('eval_perplexity', float('nan')):.3f} "
+        f"recovered {summary.get('recovered_unit_steps_pct', 0):.2f}% "
+        f"({time.time() - t0:.0f} s)", flush=True)
+  return workdir
+
+
+def _median_step_seconds(rows):
+  # The first logged interval includes compilation; the median resists load spikes.
+  rates = [r["steps_per_s"] for r in rows[1:] if r.get("steps_per_s")]
+  return 1.0 / statistics.median(rates) if rates else float("nan")
+
+
+def summarise_run(workdir: str, heatmap: bool = False) -> dict:
+  """The numbers the report needs from one run directory."""
+  with open(os.path.join(workdir, metrics_log.SUMMARY_FILE), encoding="utf-8") as f:
+    summary = json.load(f)
+  train = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.METRICS_FILE))
+  evals = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.EVAL_FILE))
+  out = {
+      "eval_perplexity": summary.get("eval_perplexity"),
+      "eval_loss": summary.get("eval_loss"),
+      "recovered_unit_steps_pct": summary.get("recovered_unit_steps_pct"),
+      "threshold_exceedance_pct": summary.get("threshold_exceedance_pct"),
+      "num_units": summary.get("num_units"),
+      "tokens_per_s": summary.get("tokens_per_s"),
+      "step_seconds": _median_step_seconds(train),
+      "num_nonfinite_steps": int(sum(bool(r.get("nonfinite")) for r in train)),
+      "train_curve": [[r["step"], r["loss"]] for r in train],
+      "eval_curve": [[r["step"], r["eval_loss"]] for r in evals],
+      "max_grad_norm": max((r["grad_norm"] for r in train), default=None),
+  }
+  for key in ("cloze_accuracy", "pretrain_perplexity"):
+    if key in summary:
+      out[key] = summary[key]
+  if heatmap:
+    units = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.UNITS_FILE))
+    names_path = os.path.join(workdir, metrics_log.UNIT_NAMES_FILE)
+    if units and os.path.exists(names_path):
+      with open(names_path, encoding="utf-8") as f:
+        names = json.load(f)
+      out["heatmap"] = {"units": names, "steps": [r["step"] for r in units],
+                        "mask": [[int(v) for v in r["mask"]] for r in units]}
+  return out
+
+
+def versions() -> dict:
+  import flax  # pylint: disable=g-import-not-at-top
+  return {"python": platform.python_version(), "jax": jax.__version__,
+          "flax": flax.__version__, "optax": optax.__version__}
+
+
+def device_description() -> str:
+  dev = jax.devices()[0]
+  if dev.platform == "cpu":
+    return f"CPU ({os.cpu_count()} cores, {platform.machine()})"
+  return f"{jax.device_count()} x {getattr(dev, 'device_kind', dev.platform)}"
+
+
+def write_results(scenario: str, scale: str, arms, seeds, base, heatmap_arm: str,
+                  notes: dict, wall_seconds: float, extra_fn=None) -> str:
+  """Collects every (arm, seed) run into experiments/results/<scenario>_<scale>.json."""
+  os.makedirs(RESULTS_DIR, exist_ok=True)
+  path = os.path.join(RESULTS_DIR, f"{scenario}_{scale}.json")
+  previous, invocations = {}, []
+  if os.path.exists(path):  # keep arms run earlier with --arms subsets
+    with open(path, encoding="utf-8") as f:
+      old = json.load(f)
+    previous = old.get("arms", {})
+    invocations = old.get("invocations") or [{
+        "command": old.get("command", ""), "date": old.get("date", ""),
+        "wall_seconds": old.get("wall_seconds", 0.0), "arms": list(previous)}]
+  invocations = invocations + [{
+      "command": " ".join(["python"] + sys.argv), "date": datetime.date.today().isoformat(),
+      "wall_seconds": wall_seconds, "arms": [a.name for a in arms]}]
+  results = dict(previous)
+  for arm in arms:
+    runs = []
+    for seed in seeds:
+      workdir = run_dir(scenario, scale, arm.name, seed)
+      if not _complete(workdir, base.train.steps):
+        continue
+      run = summarise_run(workdir, heatmap=(arm.name == heatmap_arm and seed == seeds[0]))
+      if extra_fn is not None:
+        run.update(extra_fn(arm, seed, workdir))
+      run["seed"] = seed
+      runs.append(run)
+    if runs:
+      results[arm.name] = {"label": arm.label, "role": arm.role, "runs": runs,
+                           "overrides": {"precision": arm.precision, "gnmr": arm.gnmr,
+                                         "optimizer": arm.optimizer,
+                                         "controller": arm.controller, "clip": arm.clip}}
+  order = list(previous) + [a.name for a in arms if a.name not in previous]
+  payload = {
+      "scenario": scenario, "scale": scale,
+      "date": datetime.date.today().isoformat(),
+      "device": device_description(), "versions": versions(),
+      "wall_seconds": sum(i["wall_seconds"] for i in invocations),
+      "command": " ".join(["python"] + sys.argv), "invocations": invocations,
+      "base_config": base.to_dict(), "notes": notes,
+      "arms": {k: results[k] for k in order if k in results},
+  }
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(payload, f, indent=1, default=float)
+  return path
+
+
+def parse_args(argv, description: str, default_seeds: int = 3):
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--scale", choices=SCALES, default="cpu")
+  parser.add_argument("--seeds", type=int, default=default_seeds,
+                      help="number of seeds (0..n-1) per arm")
+  parser.add_argument("--arms", default="", help="comma-separated subset of arm names")
+  parser.add_argument("--steps", type=int, default=0, help="override train.steps")
+  parser.add_argument("--dry_run", action="store_true",
+                      help="build and compile one step of every arm on this machine at a "
+                           "reduced batch, train nothing")
+  parser.add_argument("--no_report", action="store_true", help="do not regenerate RESULTS.md")
+  return parser.parse_args(argv)
+
+
+def select_arms(arms, names: str):
+  if not names:
+    return list(arms)
+  wanted = [n.strip() for n in names.split(",") if n.strip()]
+  known = {a.name: a for a in arms}
+  unknown = [n for n in wanted if n not in known]
+  if unknown:
+    raise SystemExit(f"unknown arms {unknown}; valid: {list(known)}")
+  return [known[n] for n in wanted]
+
+
+def dry_run(arms, base, data=None, make_batch_size: int = 2, build_fn=None):
+  """Builds every arm and compiles + runs one train step at a reduced batch."""
+  from gnmr_jax import sharding, train_loop  # pylint: disable=g-import-not-at-top
+  for arm in arms:
+    config = arm_config(base, arm, 0)
+    config.data.batch_size = make_batch_size
+    config.data.num_eval_batches = 1
+    t0 = time.time()
+    if build_fn is not None:
+      build_fn(config, arm)
+    else:
+      run = train_loop.build(config, data=None, make_tx=make_tx_for(arm, 0))
+      with sharding.activation_sharding(run.mesh):
+        state = run.init_state(jax.random.key(0))
+        batch = train_loop.device_batch(run, next(run.data.train_iterator()))
+        state, metrics = run.train_step(state, batch)
+        loss = float(metrics["loss"])
+      n = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+      print(f"dry run {arm.name}: {n:,} params, one step loss {loss:.3f} "
+            f"({time.time() - t0:.0f} s)", flush=True)
+
+
+def run_scenario(scenario: str, args, arms, config, heatmap_arm: str, notes: dict, *,
+                 data=None, train_fn=None) -> str:
+  """Trains every (seed, arm) seed-major, writes the results JSON, regenerates the report."""
+  seeds = list(range(args.seeds))
+  t0 = time.time()
+  for seed in seeds:
+    for arm in arms:
+      train_arm(scenario, args.scale, arm, seed, config, data=data, train_fn=train_fn)
+  path = write_results(scenario, args.scale, arms, seeds, config, heatmap_arm, notes,
+                       time.time() - t0)
+  print(f"wrote {path}")
+  if not args.no_report:
+    from experiments import report  # pylint: disable=g-import-not-at-top
+    report.main([])
+  return path
+
+
+def standard_main(argv, doc: str, scenario: str, all_arms, base_fn, heatmap_arm: str,
+                  notes: dict):
+  """The command line of a scenario trained by train_and_evaluate (scenarios 1 and 2)."""
+  from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
+  args = parse_args(argv, doc)
+  arms = select_arms(all_arms, args.arms)
+  config = base_fn(args.scale, args.steps)
+  enable_compilation_cache()
+  if args.dry_run:
+    dry_run(arms, config)
+    return None
+  return run_scenario(scenario, args, arms, config, heatmap_arm, notes,
+                      data=make_data(config.data))
+
+
+def mean_std(values):
+  values = [v for v in values if v is not None and np.isfinite(v)]
+  if not values:
+    return float("nan"), float("nan")
+  return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0

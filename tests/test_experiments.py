@@ -1,0 +1,110 @@
+"""experiments/: arm configs and chains, and the report generated from a results JSON."""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import gnmr_jax  # pylint: disable=g-import-not-at-top
+from experiments import common, report
+from experiments import scenario1_saved_activation as scenario1
+from experiments import scenario2_blockwise as scenario2
+
+
+def test_arm_config_applies_overrides_and_seed_and_validates():
+  config = common.arm_config(scenario1.base('cpu'), scenario1.ARMS[5], seed=2)  # gnmr2_8
+  assert config.precision.mode == 'gnmr' and config.precision.saved_activation_bits == 2
+  assert config.precision.recovery_saved_activation_bits == 8
+  assert config.precision.saved_activation_scale == 'tensor'
+  assert config.train.seed == 2 and config.data.seed == 2
+  gnmr_jax.config.validate_config(config, 1)
+  for arm in scenario1.ARMS + scenario2.ARMS:
+    gnmr_jax.config.validate_config(common.arm_config(scenario1.base('cpu'), arm, 0), 1)
+  gpu = scenario1.base('gpu')
+  assert (gpu.model.d_model, gpu.model.num_layers) == (512, 8)
+
+
+def test_scenario1_has_every_arm_the_issue_asks_for():
+  names = {a.name for a in scenario1.ARMS}
+  assert {'bf16', 'static8', 'static4', 'gnmr4_8', 'static2', 'gnmr2_8', 'random2_8',
+          'gnmr2_8_score_only', 'gnmr2_8_delta_only', 'gnmr2_8_no_lock', 'gnmr2_8_max_o2',
+          'gnmr2_8_max_o8', 'static2_global_clip', 'static2_zclip', 'static2_adagc'} <= names
+  assert {a.name for a in scenario2.ARMS} == {'bf16', 'block8', 'block6', 'gnmr6_8'}
+
+
+@pytest.mark.parametrize('name,state_type', [
+    ('gnmr2_8', None), ('random2_8', None), ('static2_zclip', 'ZClipState'),
+    ('static2_adagc', 'AdaGCState'), ('static2_global_clip', 'EmptyState')])
+def test_arm_chain_holds_one_gnmr_state_and_the_configured_clip(name, state_type):
+  arm = next(a for a in scenario1.ARMS if a.name == name)
+  config = common.arm_config(scenario1.base('cpu'), arm, 0)
+  config.gnmr.units, config.gnmr.layer_axis, config.gnmr.warmup = r'^w$', r'^w$', 2
+  tx = common.make_tx_for(arm, 0)(config)
+  params = {'w': jnp.zeros((6, 4, 4)), 'b': jnp.zeros(4)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  rng = np.random.default_rng(0)
+  for _ in range(4):
+    grads = {'w': jnp.asarray(rng.standard_normal((6, 4, 4)), jnp.float32), 'b': jnp.zeros(4)}
+    _, state = update(grads, state, params)
+  ctl = gnmr_jax.controller_state(state)
+  if name == 'random2_8':  # max_o (4) of the 6 layer units every step after warmup
+    assert int(np.sum(ctl.mask['w'])) == config.gnmr.max_o
+    assert int(ctl.telemetry.active_unit_steps) == 2 * config.gnmr.max_o
+  # chain(controller, apply_if_finite(chain([clip,] adamw))): the guarded inner chain.
+  inner = state[1].inner_state
+  assert len(inner) == (2 if state_type else 1)
+  if state_type:
+    assert type(inner[0]).__name__ == state_type
+
+
+def _fake_results(tmp_path):
+  def run(seed, ppl, steps_s, rec=0.0, exc=1.0):
+    return {'seed': seed, 'eval_perplexity': ppl, 'eval_loss': float(np.log(ppl)),
+            'recovered_unit_steps_pct': rec, 'threshold_exceedance_pct': exc,
+            'step_seconds': steps_s, 'num_nonfinite_steps': 0,
+            'train_curve': [[10, 3.0], [20, 2.5]], 'eval_curve': [[20, float(np.log(ppl))]]}
+
+  def arm(label, role, ppls, steps_s=0.1, rec=0.0, exc=1.0):
+    return {'label': label, 'role': role, 'overrides': {'controller': 'gnmr'},
+            'runs': [run(i, p, steps_s, rec, exc) for i, p in enumerate(ppls)]}
+
+  heat = {'units': ['layers/attn/q/kernel[0]', 'layers/attn/q/kernel[1]'], 'steps': [5, 10],
+          'mask': [[1, 0], [0, 1]]}
+  arms = {'bf16': arm('bf16', 'reference', [8.0, 8.2, 8.1]),
+          'static8': arm('static 8', 'static', [8.1, 8.1, 8.1]),
+          'static4': arm('static 4', 'static', [10.0, 10.2, 10.4], steps_s=0.2),
+          'gnmr4_8': arm('GNMR 4/8', 'gnmr', [8.1, 8.2, 8.0], steps_s=0.22, rec=3.5,
+                         exc=0.1)}
+  arms['gnmr4_8']['runs'][0]['heatmap'] = heat
+  payload = {'scenario': 'scenario1', 'scale': 'cpu', 'date': '2026-01-01', 'device': 'CPU',
+             'versions': {'jax': '0', 'flax': '0', 'optax': '0'}, 'wall_seconds': 60.0,
+             'command': 'python x', 'notes': {'low_cost_arm': 'static4'},
+             'base_config': scenario1.base('cpu').to_dict(), 'arms': arms}
+  results = tmp_path / 'results'
+  results.mkdir()
+  (results / 'scenario1_cpu.json').write_text(json.dumps(payload))
+  return results
+
+
+def test_report_regenerates_tables_claims_figures_and_not_run_sections(tmp_path, monkeypatch):
+  monkeypatch.setattr(report, 'RESULTS_DIR', str(_fake_results(tmp_path)))
+  monkeypatch.setattr(report, 'FIGURES_DIR', str(tmp_path / 'figures'))
+  monkeypatch.setattr(report, 'REPORT', str(tmp_path / 'RESULTS.md'))
+  report.main([])
+  text = (tmp_path / 'RESULTS.md').read_text()
+  # mean ± sample std over the three seeds, and the step-time ratio to static4 (0.22 / 0.2).
+  assert '| `static4` | static 4 | 10.20 ± 0.20 | 3 |' in text
+  assert '| `gnmr4_8` | GNMR 4/8 | 8.10 ± 0.10 | 3 | 3.50 | 0.10 | 1.10 | 0 |' in text
+  assert '4-bit: **reproduced**' in text and '+25.9% vs bf16' in text
+  assert 'closing 100% of the static-to-bf16 gap' in text
+  assert 'Not run yet. Run: `python experiments/scenario2_blockwise.py --scale cpu`' in text
+  assert 'Not run yet. Run: `python experiments/scenario1_saved_activation.py --scale gpu`' in text
+  assert (tmp_path / 'figures' / 'scenario1_cpu_loss.png').stat().st_size > 1000
+  assert (tmp_path / 'figures' / 'scenario1_cpu_heatmap.png').stat().st_size > 1000
