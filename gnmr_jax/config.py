@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 
 import jax
 import ml_collections
 
 from gnmr_jax.data.config import default_data_config, validate_data_config
 from gnmr_jax.faults import default_faults_config, validate_faults_config
+from gnmr_jax.model import PROJECTIONS
 from gnmr_jax.model_configs import model_config, validate_model_config
 from gnmr_jax.sharding import MESH_AXES, default_mesh_config, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
@@ -148,9 +150,45 @@ def _check_keys(config):
                        f"{sorted(reference[group].keys())}.")
 
 
+def _check_unit_regexes(config):
+  """gnmr.units / gnmr.layer_axis compile, and under precision.mode='gnmr' select every
+  projection kernel, layer-stacked (the routed model reads one mask bit per projection and layer)."""
+  for field in ("units", "layer_axis"):
+    value = config.gnmr[field]
+    if not isinstance(value, str):
+      raise ValueError(f"config.gnmr.{field} must be a regex string ('' for the default), "
+                       f"got {value!r}.")
+    try:
+      re.compile(value)
+    except re.error as e:
+      raise ValueError(f"config.gnmr.{field} is not a valid regex ({value!r}: {e}).") from None
+  if config.precision.mode != "gnmr":
+    return
+  paths = [f"layers/{group}/{name}/kernel" for group, names in PROJECTIONS.items()
+           for name in names]
+  for field in ("units", "layer_axis"):
+    value = config.gnmr[field]
+    missed = [p for p in paths if value and not re.search(value, p)]
+    if field == "layer_axis" and not value:
+      missed = paths
+    if missed:
+      raise ValueError(f"config.gnmr.{field}={value!r} must match every projection kernel when "
+                       f"config.precision.mode='gnmr' (the routed model reads one recovery bit "
+                       f"per projection and layer); it misses {missed}.")
+
+
+def _check_finite(config):
+  """No float field of any group may be NaN or +-Inf (the group validators check ranges)."""
+  for group in config.keys():
+    for field, value in config[group].items():
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"config.{group}.{field} must be a finite number, got {value!r}.")
+
+
 def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) -> None:
   """Checks every field before anything is built or traced. Raises ValueError naming the field."""
   _check_keys(config)
+  _check_finite(config)
   validate_model_config(config.model)
   validate_data_config(config.data)
   validate_precision(config.precision)
@@ -181,6 +219,7 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   if config.precision.mode == "gnmr" and not g.enabled:
     raise ValueError("config.precision.mode='gnmr' needs config.gnmr.enabled=True "
                      "(the recovery mask comes from the controller).")
+  _check_unit_regexes(config)
   _int(c, "checkpoint", "every_steps", 0)
   _int(c, "checkpoint", "max_to_keep", 1)
   _int(lg, "logging", "log_every", 1)

@@ -91,7 +91,8 @@ def test_schedule_parsing_and_errors():
 
 
 @pytest.mark.parametrize("nonfinite", ["skip", "zero"])
-def test_injected_faults_are_detected_and_nan_never_reaches_params(data, nonfinite):
+def test_injected_faults_are_detected_and_nan_never_reaches_params(data, nonfinite,
+                                                                   record_property):
   data_config, dataset = data
   config = small_config(data_config, **{"optimizer.nonfinite": nonfinite, "train.steps": STEPS,
                                         "faults.enabled": True, "faults.schedule": SCHEDULE})
@@ -100,6 +101,8 @@ def test_injected_faults_are_detected_and_nan_never_reaches_params(data, nonfini
   report = faults.detection_report(run.faults.faults, mask_next, config.gnmr.warmup)
   # Every fault (10x and 100x spikes, NaN, Inf, a corrupted low-cost path) puts its unit in the
   # mask at the faulty step itself: the next step runs it on the recovery path.
+  record_property("faults_injected", report["injected"])
+  record_property("faults_detected", report["detected"])
   assert report["injected"] == 6 and report["detected"] == 6, report
   assert [r["latency"] for r in report["faults"]] == [1] * 6, report
   assert not any(r["already_in_mask"] for r in report["faults"]), report
@@ -151,7 +154,8 @@ def test_faults_off_or_idle_change_nothing(data):
   jax.tree.map(np.testing.assert_array_equal, s1[-1].params, s2[-1].params)
 
 
-def test_nan_loss_raises_after_n_steps_with_last_good_checkpoint(tmp_path, data):
+def test_nan_loss_raises_after_n_steps_with_last_good_checkpoint(tmp_path, data,
+                                                                 record_property):
   data_config, dataset = data
   overrides = {"train.steps": 12, "train.eval_every": 0, "checkpoint.every_steps": 0,
                "train.max_consecutive_nonfinite": 3, "logging.log_every": 1}
@@ -174,6 +178,8 @@ def test_nan_loss_raises_after_n_steps_with_last_good_checkpoint(tmp_path, data)
     ckpt.close()
     restored[name] = (step, jax.tree.map(np.asarray, state.params))
   assert restored["good"][0] == 3 and restored["bad"][0] == 7
+  record_property("faults_injected", 1)  # one NaN-loss fault (steps 4..)
+  record_property("faults_detected", 1)
   # The params saved at step 7 are exactly those after step 3, the last finite one.
   jax.tree.map(np.testing.assert_array_equal, restored["good"][1], restored["bad"][1])
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(restored["bad"][1]))

@@ -49,7 +49,7 @@ def free_port():
     return s.getsockname()[1]
 
 
-def test_two_processes_match_one_process_with_two_devices(tmp_path, data_dirs):
+def test_two_processes_match_one_process_with_two_devices(tmp_path, data_dirs, record_property):
   config = config_for(data_dirs)
   data = make_data(config.data)
   # Prepare the data once before the two processes read it concurrently.
@@ -102,3 +102,4 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path, data_dirs):
     ckpt.close()
     states.append(jax.tree.map(np.asarray, state))
   jax.tree.map(np.testing.assert_array_equal, *states)
+  record_property("processes", 2)

@@ -85,7 +85,8 @@ def copy_run(trained, tmp_path, name):
   return dst
 
 
-def test_truncated_latest_checkpoint_falls_back_and_resumes_exactly(trained, tmp_path, caplog):
+def test_truncated_latest_checkpoint_falls_back_and_resumes_exactly(trained, tmp_path, caplog,
+                                                                    record_property):
   config, data, _, _, final_state, first = trained
   workdir = copy_run(trained, tmp_path, "truncated")
   path = largest_state_file(workdir, 6)
@@ -104,9 +105,12 @@ def test_truncated_latest_checkpoint_falls_back_and_resumes_exactly(trained, tmp
   step, state, _ = restore(workdir, config, data)
   assert step == 6 and summary["eval_loss"] == first["eval_loss"]
   jax.tree.map(np.testing.assert_array_equal, state, final_state)
+  record_property("faults_injected", 1)
+  record_property("faults_detected", len(summary["corrupted_checkpoints"]))
+  record_property("runs_resumed", 1)
 
 
-def test_flipped_bytes_and_bad_checksums_are_detected(trained, tmp_path):
+def test_flipped_bytes_and_bad_checksums_are_detected(trained, tmp_path, record_property):
   config, data, _, _, _, _ = trained
   flipped = copy_run(trained, tmp_path, "flipped")
   path = largest_state_file(flipped, 6)
@@ -129,9 +133,11 @@ def test_flipped_bytes_and_bad_checksums_are_detected(trained, tmp_path):
     open(os.path.join(tampered, "checkpoints", str(s), "meta", "metadata"), "w").write("{")
   with pytest.raises(ValueError, match="no intact checkpoint"):
     restore(tampered, config, data)
+  record_property("faults_injected", 3)  # flipped bytes, a bad checksum, all meta broken
+  record_property("faults_detected", 3)
 
 
-def test_checkpoint_of_another_config_or_shape_is_refused(trained):
+def test_checkpoint_of_another_config_or_shape_is_refused(trained, record_property):
   config, data, workdir, _, _, _ = trained
   other = small_config(config.data, **{"model.num_layers": 3})
   with pytest.raises(ValueError, match=r"model.num_layers: checkpoint has 2, config has 3"):
@@ -147,3 +153,5 @@ def test_checkpoint_of_another_config_or_shape_is_refused(trained):
   with pytest.raises(ValueError, match=r"params/embed: checkpoint has float32\[320, 64\], "
                                        r"model has float32\[256, 64\]"):
     checkpointing.check_leaf_specs(saved, {"params/embed": "float32[256, 64]"}, "w", 6)
+  record_property("bad_inputs_tried", 3)
+  record_property("bad_inputs_refused", 3)

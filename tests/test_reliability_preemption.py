@@ -83,7 +83,8 @@ def final_state(workdir, data_dirs):
   return step, jax.tree.map(np.asarray, state), data_state
 
 
-def test_sigterm_then_sigkill_then_restart_matches_uninterrupted_run(tmp_path, data_dirs):
+def test_sigterm_then_sigkill_then_restart_matches_uninterrupted_run(tmp_path, data_dirs,
+                                                                    record_property):
   reference = str(tmp_path / "reference")
   proc = start_train_py(reference, data_dirs)
   out, err = proc.communicate(timeout=600)
@@ -128,3 +129,8 @@ def test_sigterm_then_sigkill_then_restart_matches_uninterrupted_run(tmp_path, d
   sb, b, db = final_state(workdir, data_dirs)
   assert sa == sb == STEPS and da == db
   jax.tree.map(np.testing.assert_array_equal, a, b)
+  record_property("faults_injected", 2)  # SIGTERM, SIGKILL
+  record_property("faults_detected", 2)
+  record_property("runs_resumed", 2)
+  record_property("sigterm_step", term_step)
+  record_property("sigkill_resumed_from", summary["resumed_from_step"])
