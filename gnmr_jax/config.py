@@ -178,11 +178,16 @@ def _check_unit_regexes(config):
 
 
 def _check_finite(config):
-  """No float field of any group may be NaN or +-Inf (the group validators check ranges)."""
+  """No float field of any group may be NaN or +-Inf, and no integer field may hold a bool
+  (ConfigDict lets True into an int field); the group validators check ranges."""
+  reference = base_config()
   for group in config.keys():
     for field, value in config[group].items():
       if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"config.{group}.{field} must be a finite number, got {value!r}.")
+      default = reference[group].get(field) if group in reference else None
+      if isinstance(value, bool) and isinstance(default, int) and not isinstance(default, bool):
+        raise ValueError(f"config.{group}.{field} must be an integer, got {value!r}.")
 
 
 def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) -> None:
