@@ -201,7 +201,8 @@ def summarise_run(workdir: str, heatmap: bool = False) -> dict:
       "eval_curve": [[r["step"], r["eval_loss"]] for r in evals],
       "max_grad_norm": max((r["grad_norm"] for r in train), default=None),
   }
-  for key in ("cloze_accuracy", "pretrain_perplexity"):
+  for key in ("cloze_accuracy", "pretrain_perplexity", "base_perplexity",
+              "base_cloze_accuracy"):
     if key in summary:
       out[key] = summary[key]
   if heatmap:

@@ -191,7 +191,24 @@ def finetune(config, arm, seed, workdir, base_params, data, cloze, batch=64):
     loss = total / count
     return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
 
+  def cloze_accuracy(state):
+    tokens, weights, answers = cloze
+    scores = []
+    for i in range(0, len(tokens), batch):
+      tb, wb = tokens[i:i + batch], weights[i:i + batch]
+      pad = batch - len(tb)
+      if pad:
+        tb = np.concatenate([tb, np.zeros((pad,) + tb.shape[1:], tb.dtype)])
+        wb = np.concatenate([wb, np.zeros((pad,) + wb.shape[1:], wb.dtype)])
+      scores.append(np.asarray(logprob_fn(state, jnp.asarray(tb), jnp.asarray(wb)))[:batch - pad])
+    scores = np.concatenate(scores).reshape(-1, CLOZE_CHOICES)
+    return float(np.mean(np.argmax(scores, axis=1) == answers))
+
   it = run.data.train_iterator()
+  with sharding.activation_sharding(run.mesh):
+    # Before fine-tuning (B = 0: the frozen base model itself, on Milton).
+    before = {"base_perplexity": evaluate(state)["eval_perplexity"],
+              "base_cloze_accuracy": cloze_accuracy(state)}
   t_last, timed_steps, timed_seconds = time.perf_counter(), 0, 0.0
   with sharding.activation_sharding(run.mesh):
     for step in range(1, config.train.steps + 1):
@@ -217,17 +234,7 @@ def finetune(config, arm, seed, workdir, base_params, data, cloze, batch=64):
         log.eval(step, evaluate(state))
         t_last = time.perf_counter()
     final = evaluate(state)
-    tokens, weights, answers = cloze
-    scores = []
-    for i in range(0, len(tokens), batch):
-      tb, wb = tokens[i:i + batch], weights[i:i + batch]
-      pad = batch - len(tb)
-      if pad:
-        tb = np.concatenate([tb, np.zeros((pad,) + tb.shape[1:], tb.dtype)])
-        wb = np.concatenate([wb, np.zeros((pad,) + wb.shape[1:], wb.dtype)])
-      scores.append(np.asarray(logprob_fn(state, jnp.asarray(tb), jnp.asarray(wb)))[:batch - pad])
-    scores = np.concatenate(scores).reshape(-1, CLOZE_CHOICES)
-    cloze_accuracy = float(np.mean(np.argmax(scores, axis=1) == answers))
+    cloze_acc = cloze_accuracy(state)
   host = jax.device_get(metrics)
   num_units = int(host["num_units"])
   unit_steps = max(num_units * config.train.steps, 1)
@@ -238,7 +245,7 @@ def finetune(config, arm, seed, workdir, base_params, data, cloze, batch=64):
              "num_units": num_units,
              "recovered_unit_steps_pct": 100.0 * int(host["active_unit_steps"]) / unit_steps,
              "threshold_exceedance_pct": 100.0 * int(host["risky_unit_steps"]) / unit_steps,
-             "cloze_accuracy": cloze_accuracy, **final}
+             "cloze_accuracy": cloze_acc, **before, **final}
   log.summary(summary)
   log.close()
   return summary

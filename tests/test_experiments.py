@@ -103,7 +103,8 @@ def test_report_regenerates_tables_claims_figures_and_not_run_sections(tmp_path,
   assert '| `static4` | static 4 | 10.20 ± 0.20 | 3 |' in text
   assert '| `gnmr4_8` | GNMR 4/8 | 8.10 ± 0.10 | 3 | 3.50 | 0.10 | 1.10 | 0 |' in text
   assert '4-bit: **reproduced**' in text and '+25.9% vs bf16' in text
-  assert 'closing 100% of the static-to-bf16 gap' in text
+  assert 'closing +100% of the static-to-bf16 gap' in text
+  assert 'paired per-seed difference GNMR - static -2.10 ± 0.26' in text
   assert 'Not run yet. Run: `python experiments/scenario2_blockwise.py --scale cpu`' in text
   assert 'Not run yet. Run: `python experiments/scenario1_saved_activation.py --scale gpu`' in text
   assert (tmp_path / 'figures' / 'scenario1_cpu_loss.png').stat().st_size > 1000
