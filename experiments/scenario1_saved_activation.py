@@ -19,7 +19,8 @@ static 2-bit and GNMR 2/8, then on the 2-bit path: same-budget random recovery,
 GNMR score only (beta huge), dGNMR only (alpha huge), no lock (t_lock=0), max_o 2,
 8 and 28 (all units of the CPU model: no budget), and the static 2-bit path with global clipping, ZClip and AdaGC, and GNMR 2/8
 with global clipping (does recovery add to clipping?); last, the
-paper's literal stress (static 4-bit, per-token scale, weight gradient only).
+paper's literal stress (static 4-bit, per-token scale, weight gradient only) and
+the same at 2 bits.
 """
 
 from __future__ import annotations
@@ -116,6 +117,8 @@ ARMS = [
     # The paper's literal stress: per-token scales, only the weight gradient sees the k bits.
     A("static4_paper", "static 4-bit, per-token scale, weight gradient only (paper's stress)",
       "static", dict(_static(4), saved_activation_scale="token", saved_activation_forward=False)),
+    A("static2_paper", "static 2-bit, per-token scale, weight gradient only", "static",
+      dict(_static(2), saved_activation_scale="token", saved_activation_forward=False)),
 ]
 HEATMAP_ARM = "gnmr2_8"
 NOTES = {
