@@ -29,7 +29,6 @@ from typing import Callable, Optional
 
 import jax
 import ml_collections
-import numpy as np
 import optax
 
 from gnmr_jax import baselines, metrics_log
@@ -302,26 +301,23 @@ def select_arms(arms, names: str):
   return [known[n] for n in wanted]
 
 
-def dry_run(arms, base, data=None, make_batch_size: int = 2, build_fn=None):
+def dry_run(arms, base, batch_size: int = 2):
   """Builds every arm and compiles + runs one train step at a reduced batch."""
   from gnmr_jax import sharding, train_loop  # pylint: disable=g-import-not-at-top
   for arm in arms:
     config = arm_config(base, arm, 0)
-    config.data.batch_size = make_batch_size
+    config.data.batch_size = batch_size
     config.data.num_eval_batches = 1
     t0 = time.time()
-    if build_fn is not None:
-      build_fn(config, arm)
-    else:
-      run = train_loop.build(config, data=None, make_tx=make_tx_for(arm, 0))
-      with sharding.activation_sharding(run.mesh):
-        state = run.init_state(jax.random.key(0))
-        batch = train_loop.device_batch(run, next(run.data.train_iterator()))
-        state, metrics = run.train_step(state, batch)
-        loss = float(metrics["loss"])
-      n = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-      print(f"dry run {arm.name}: {n:,} params, one step loss {loss:.3f} "
-            f"({time.time() - t0:.0f} s)", flush=True)
+    run = train_loop.build(config, data=None, make_tx=make_tx_for(arm, 0))
+    with sharding.activation_sharding(run.mesh):
+      state = run.init_state(jax.random.key(0))
+      batch = train_loop.device_batch(run, next(run.data.train_iterator()))
+      state, metrics = run.train_step(state, batch)
+      loss = float(metrics["loss"])
+    n = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    print(f"dry run {arm.name}: {n:,} params, one step loss {loss:.3f} "
+          f"({time.time() - t0:.0f} s)", flush=True)
 
 
 def run_scenario(scenario: str, args, arms, config, heatmap_arm: str, notes: dict, *,
@@ -354,10 +350,3 @@ def standard_main(argv, doc: str, scenario: str, all_arms, base_fn, heatmap_arm:
     return None
   return run_scenario(scenario, args, arms, config, heatmap_arm, notes,
                       data=make_data(config.data))
-
-
-def mean_std(values):
-  values = [v for v in values if v is not None and np.isfinite(v)]
-  if not values:
-    return float("nan"), float("nan")
-  return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else 0.0

@@ -1,7 +1,6 @@
 """The baseline transforms (gnmr_jax.baselines) against float64 NumPy references, jitted."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
