@@ -33,11 +33,10 @@ import numpy as np
 from gnmr_jax import metrics_log
 
 
-def _pyplot():
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  return plt
+def _figure(figsize):
+  """A matplotlib Figure drawn off-screen, without touching pyplot's backend (notebooks)."""
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  return Figure(figsize=figsize)
 
 
 def plot_losses(runs: dict, path: str, title: str = "loss") -> str:
@@ -60,8 +59,8 @@ def plot_losses(runs: dict, path: str, title: str = "loss") -> str:
     >>> os.path.getsize(out) > 1000
     True
   """
-  plt = _pyplot()
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig = _figure((7, 4))
+  ax = fig.subplots()
   for i, (label, workdir) in enumerate(runs.items()):
     color = f"C{i}"
     train = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.METRICS_FILE))
@@ -78,7 +77,6 @@ def plot_losses(runs: dict, path: str, title: str = "loss") -> str:
   ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 
@@ -115,9 +113,9 @@ def plot_recovery_heatmap(workdir: str, path: str, field: str = "mask") -> str:
   log10 (clipped to [1e-3, 1e3]), so for 'score' log10 r > 0 means risky.
   Returns ``path`` (see the module docstring for an example).
   """
-  plt = _pyplot()
   names, steps, matrix = recovery_matrix(workdir, field)
-  fig, ax = plt.subplots(figsize=(9, max(3, 0.12 * len(names) + 1)))
+  fig = _figure((9, max(3, 0.12 * len(names) + 1)))
+  ax = fig.subplots()
   if matrix.size:
     extent = (steps[0], steps[-1], len(names) - 0.5, -0.5)
     data = matrix if field == "mask" else np.log10(np.clip(matrix, 1e-3, 1e3))
@@ -130,7 +128,6 @@ def plot_recovery_heatmap(workdir: str, path: str, field: str = "mask") -> str:
   ax.set_title(f"GNMR {field} per unit ({os.path.basename(workdir.rstrip('/'))})")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)
   return path
 
 

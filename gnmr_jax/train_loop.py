@@ -456,7 +456,10 @@ def format_summary(summary: dict) -> str:
                  f"(loss {summary['eval_loss']:.4f} nats/token; unigram baseline "
                  f"{summary['unigram_perplexity']:.2f})")
   if "recovered_unit_steps_pct" in summary:
-    lines.append(f"  recovered unit-steps      {summary['recovered_unit_steps_pct']:.3f}% of "
+    # In a static mode the controller only measures: nothing ran on the recovery path.
+    label = ("recovered unit-steps     " if summary["precision_mode"] == "gnmr"
+             else "would-recover unit-steps ")
+    lines.append(f"  {label} {summary['recovered_unit_steps_pct']:.3f}% of "
                  f"{summary['num_units']} units x {summary['step']} steps "
                  f"(threshold exceedance {summary['threshold_exceedance_pct']:.3f}%)")
   lines.append(f"  tokens/s                  {summary['tokens_per_s']:.0f}")

@@ -12,6 +12,7 @@ from gnmr_jax.precision import blockwise as blockwise
 from gnmr_jax.precision import fp8 as fp8
 from gnmr_jax.precision import int8 as int8
 from gnmr_jax.precision import saved_activation as saved_activation
+from gnmr_jax.precision.backend import default_low_cost_path as default_low_cost_path
 from gnmr_jax.precision.config import default_precision_config as default_precision_config
 from gnmr_jax.precision.config import validate_config as validate_config
 from gnmr_jax.precision.policy import make_policy as make_policy
