@@ -31,10 +31,4 @@ Example:
 """
 
 
-def build(config, role):
-  """Registry builder: the bf16 path is the same in both roles."""
-  del config, role
-  return PATH
-
-
-registry.register_path('bf16', build)
+registry.register_path('bf16', registry.fixed_path(PATH))

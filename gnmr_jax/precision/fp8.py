@@ -50,10 +50,4 @@ Returns:
 """
 
 
-def build(config, role):
-  """Registry builder: fp8 is the same in both roles."""
-  del config, role
-  return PATH
-
-
-registry.register_path('fp8', build)
+registry.register_path('fp8', registry.fixed_path(PATH))

@@ -43,10 +43,4 @@ Returns:
 """
 
 
-def build(config, role):
-  """Registry builder: int8 is the same in both roles."""
-  del config, role
-  return PATH
-
-
-registry.register_path('int8', build)
+registry.register_path('int8', registry.fixed_path(PATH))

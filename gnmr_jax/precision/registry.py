@@ -26,6 +26,14 @@ ROLES = ('low_cost', 'recovery')
 _PATHS: dict[str, PathBuilder] = {}
 
 
+def fixed_path(path: 'path_lib.Path') -> PathBuilder:
+  """A builder for a path that is the same whatever the config and role (bf16, int8, fp8)."""
+  def build(config, role):
+    del config, role
+    return path
+  return build
+
+
 def register_path(name: str, builder: PathBuilder) -> PathBuilder:
   """Registers ``builder`` under ``name`` (later registrations must use new names).
 
