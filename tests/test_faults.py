@@ -16,6 +16,7 @@ from gnmr_jax.data import make_data
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
 import tiny  # noqa: E402  pylint: disable=g-import-not-at-top
+from tests.train_helpers import small_config  # noqa: E402
 
 # Units (of the 14 in runlocal): 3 = attn/o[1], 5 = attn/q[1], 7 = attn/v[1], 9 = mlp/down[1],
 # 11 = mlp/gate[1], 12 = mlp/up[0]. Steps are spread out so one fault's lock has ended (t_lock=5)
@@ -29,22 +30,6 @@ STEPS = 28
 def data(data_dirs):
   config = small_config(data_dirs)
   return config.data, make_data(config.data)
-
-
-def small_config(data_dirs, **overrides):
-  config = tiny.get_config("runlocal")
-  if isinstance(data_dirs, tuple):
-    config.data.data_dir, config.data.sdist_path = data_dirs
-  else:
-    config.data = data_dirs
-  config.logging.plots = False
-  config.logging.tensorboard = False
-  config.mesh.fsdp = 1
-  config.mesh.data = -1
-  for key, value in overrides.items():
-    group, field = key.split(".")
-    config[group][field] = value
-  return config
 
 
 def run_steps(config, data, steps):

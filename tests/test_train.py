@@ -15,19 +15,7 @@ from gnmr_jax.data import make_data
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
 import tiny  # noqa: E402  pylint: disable=g-import-not-at-top
-
-
-def small_config(data_dirs, **overrides):
-  config = tiny.get_config("runlocal")
-  config.data.data_dir, config.data.sdist_path = data_dirs
-  config.logging.plots = False
-  config.logging.tensorboard = False
-  config.mesh.fsdp = 1
-  config.mesh.data = -1
-  for key, value in overrides.items():
-    group, field = key.split(".")
-    config[group][field] = value
-  return config
+from tests.train_helpers import small_config  # noqa: E402
 
 
 def run_train_py(workdir, data_dirs, *flags):
