@@ -1,8 +1,8 @@
 """Quantization primitives shared by the precision paths.
 
 Symmetric absmax quantization, scaled low-precision matmuls whose operands go
-into ``lax.dot_general`` in their storage dtype (int8 or fp8), and the 4-bit
-nibble planes used to store saved activations.
+into ``lax.dot_general`` in their storage dtype (int8 or fp8), and the packed
+2-bit and 4-bit code planes used to store saved activations.
 """
 
 from __future__ import annotations
@@ -95,39 +95,113 @@ def bf16_matmul(lhs: jax.Array, rhs: jax.Array, out_dtype) -> jax.Array:
   return acc.astype(out_dtype)
 
 
-# --- 4-bit nibble planes -------------------------------------------------------
+# --- packed code planes --------------------------------------------------------
 # A k-bit code c in [-(2^(k-1)-1), 2^(k-1)-1] is stored offset-binary, u = c + 2^(k-1),
-# split into ceil(k/4) nibbles; each nibble plane packs two neighbouring elements of
-# the last axis per byte, so every plane is uint8[..., ceil(K/2)] whatever k is. The
-# common plane shape is what lets lax.cond merge the residuals of a 4-bit and an
-# 8-bit branch instead of storing both (see saved_activation.py).
+# split into fields of f bits (f = 2 for k <= 2, else f = 4), one packed plane per
+# field: k <= 2 is one plane of 2-bit fields, uint8[..., ceil(K/4)]; 3 <= k <= 4 one
+# nibble plane and 5 <= k <= 8 two nibble planes, uint8[..., ceil(K/2)] each. Every
+# plane packs 8/f neighbouring elements of the last axis per byte, lowest field in
+# the low bits. Widths 3..8 share the nibble-plane shape, so lax.cond merges the
+# residuals of a 4-bit and an 8-bit branch instead of storing both (see
+# saved_activation.py); a 2-bit plane has its own, smaller shape.
+
+# Field widths that tile a byte exactly.
+PACK_BITS = (1, 2, 4, 8)
+
+
+def _fields_per_byte(bits: int) -> int:
+  if bits not in PACK_BITS:
+    raise ValueError(f'packed field bits must be one of {PACK_BITS}, got {bits!r}.')
+  return 8 // bits
+
+
+def pack_bits(values: jax.Array, bits: int) -> jax.Array:
+  r"""Packs uint8 values < 2^bits along the last axis, 8/bits per byte.
+
+  Element :math:`k` goes to byte :math:`\lfloor k/n \rfloor`, bits
+  :math:`[b\,(k \bmod n), b\,(k \bmod n + 1))`, with :math:`n = 8/b`; the last
+  axis is zero-padded to a multiple of :math:`n`. ``bits=4`` is ``pack_nibbles``.
+
+  Args:
+    values: uint8 [..., K], each value < ``2**bits`` (not masked).
+    bits: field width, one of 1, 2, 4, 8.
+
+  Returns:
+    uint8 [..., ceil(K * bits / 8)].
+  """
+  per_byte = _fields_per_byte(bits)
+  pad = -values.shape[-1] % per_byte
+  if pad:
+    values = jnp.pad(values, [(0, 0)] * (values.ndim - 1) + [(0, pad)])
+  groups = values.reshape(values.shape[:-1] + (-1, per_byte))
+  packed = groups[..., 0]
+  for i in range(1, per_byte):
+    packed = packed | (groups[..., i] << (bits * i))
+  return packed
+
+
+def unpack_bits(packed: jax.Array, bits: int, size: int) -> jax.Array:
+  """Inverse of ``pack_bits``: uint8 [..., ceil(size * bits / 8)] -> uint8 [..., size].
+
+  Args:
+    packed: uint8 array from ``pack_bits``.
+    bits: the field width it was packed with.
+    size: length of the unpacked last axis (drops the padding).
+
+  Returns:
+    uint8 [..., size], each value < ``2**bits``.
+  """
+  per_byte = _fields_per_byte(bits)
+  if not 0 <= size <= packed.shape[-1] * per_byte:
+    raise ValueError(f'size {size} does not fit {packed.shape[-1]} bytes of '
+                     f'{bits}-bit fields.')
+  mask = (1 << bits) - 1
+  fields = jnp.stack([(packed >> (bits * i)) & mask for i in range(per_byte)], axis=-1)
+  return fields.reshape(packed.shape[:-1] + (-1,))[..., :size]
 
 
 def pack_nibbles(nibbles: jax.Array) -> jax.Array:
   """Packs uint8 values < 16 pairwise along the last axis: [..., K] -> [..., ceil(K/2)]."""
-  if nibbles.shape[-1] % 2:
-    nibbles = jnp.pad(nibbles, [(0, 0)] * (nibbles.ndim - 1) + [(0, 1)])
-  pairs = nibbles.reshape(nibbles.shape[:-1] + (-1, 2))
-  return pairs[..., 0] | (pairs[..., 1] << 4)
+  return pack_bits(nibbles, 4)
 
 
 def unpack_nibbles(packed: jax.Array, size: int) -> jax.Array:
   """Inverse of ``pack_nibbles``: [..., ceil(K/2)] uint8 -> [..., size] uint8."""
-  pairs = jnp.stack([packed & 15, packed >> 4], axis=-1)
-  return pairs.reshape(packed.shape[:-1] + (-1,))[..., :size]
+  return unpack_bits(packed, 4, size)
+
+
+def _field_bits(bits: int) -> int:
+  """Field width of the planes of ``bits``-bit codes (2 for bits <= 2, else 4)."""
+  if not 1 <= bits <= 8:
+    raise ValueError(f'code bits must be in 1..8, got {bits!r}.')
+  return 2 if bits <= 2 else 4
 
 
 def codes_to_planes(codes: jax.Array, bits: int) -> tuple[jax.Array, ...]:
-  """Stores signed ``bits``-bit integer codes as ceil(bits/4) packed nibble planes."""
+  """Stores signed ``bits``-bit integer codes as packed offset-binary planes.
+
+  Args:
+    codes: integer [..., K], each in [-(2^(bits-1)-1), 2^(bits-1)-1].
+    bits: code width, 1..8.
+
+  Returns:
+    One uint8[..., ceil(K/4)] plane of 2-bit fields for bits <= 2; else
+    ceil(bits/4) uint8[..., ceil(K/2)] nibble planes, low nibble first.
+  """
+  field_bits = _field_bits(bits)
   offset = (codes.astype(jnp.int32) + (1 << (bits - 1))).astype(jnp.uint32)
-  num_planes = -(-bits // 4)
-  return tuple(pack_nibbles(((offset >> (4 * p)) & 15).astype(jnp.uint8))
-               for p in range(num_planes))
+  num_planes = -(-bits // field_bits)
+  field_mask = (1 << field_bits) - 1
+  return tuple(
+      pack_bits(((offset >> (field_bits * p)) & field_mask).astype(jnp.uint8), field_bits)
+      for p in range(num_planes))
 
 
 def planes_to_codes(planes: tuple[jax.Array, ...], bits: int, size: int) -> jax.Array:
   """Inverse of ``codes_to_planes``: int32 codes of the last-axis ``size``."""
+  field_bits = _field_bits(bits)
   offset = jnp.zeros(planes[0].shape[:-1] + (size,), jnp.int32)
   for p, plane in enumerate(planes):
-    offset = offset | (unpack_nibbles(plane, size).astype(jnp.int32) << (4 * p))
+    offset = offset | (unpack_bits(plane, field_bits, size).astype(jnp.int32)
+                       << (field_bits * p))
   return offset - (1 << (bits - 1))
