@@ -40,6 +40,7 @@ import ml_collections
 from flax.core import meta
 
 from gnmr_jax.model_configs import validate_model_config
+from gnmr_jax.precision import side_buffer
 
 # Projection names per sub-module; each owns a `kernel` of shape [d_in, d_out]
 # per layer ([num_layers, d_in, d_out] stacked).
@@ -128,6 +129,24 @@ def projection_recover_bits(recovery_mask: Any, num_layers: int) -> dict:
   return bits
 
 
+def unit_kernel_shapes(config: ml_collections.ConfigDict) -> list[tuple[int, int]]:
+  """[K, N] of the seven projection kernels of one layer (q, k, v, o, gate, up, down)."""
+  d, heads = config.d_model, config.num_heads
+  head_dim = d // heads
+  kv = config.num_kv_heads * head_dim
+  f = config.ffn_dim
+  return [(d, heads * head_dim), (d, kv), (d, kv), (heads * head_dim, d),
+          (d, f), (d, f), (f, d)]
+
+
+def _constrain_side(side):
+  """Shards the side buffer's token axes like the activations'."""
+  if side is None:
+    return None
+  return side._replace(buffer=nn.with_logical_constraint(
+      side.buffer, ('batch', 'length', None)))
+
+
 class RMSNorm(nn.Module):
   """y = x / sqrt(mean(x^2) + eps) * scale, computed in float32."""
   eps: float
@@ -174,14 +193,17 @@ class Projection(nn.Module):
   param_dtype: Any
 
   @nn.compact
-  def __call__(self, x: Array, recover: Array | None = None) -> Array:
+  def __call__(self, x: Array, recover: Array | None = None, side: Any = None
+               ) -> tuple[Array, Any]:
     kernel = self.param(
         'kernel',
         nn.with_logical_partitioning(
             nn.initializers.normal(self.init_std), self.kernel_axes),
         (x.shape[-1], self.features), self.param_dtype)
     # The float32 master kernel goes to the policy: it owns the operand casts.
-    return self.policy.dot(x, kernel, recover=recover)
+    if side is None:
+      return self.policy.dot(x, kernel, recover=recover), None
+    return self.policy.dot_side(x, kernel, recover, side)
 
 
 def _dtypes(config) -> tuple[Any, Any]:
@@ -194,7 +216,8 @@ class Attention(nn.Module):
   policy: Policy
 
   @nn.compact
-  def __call__(self, x_BxSxD: Array, rope: tuple[Array, Array], bits: dict) -> Array:
+  def __call__(self, x_BxSxD: Array, rope: tuple[Array, Array], bits: dict,
+               side: Any = None) -> tuple[Array, Any]:
     cfg = self.config
     dtype, param_dtype = _dtypes(cfg)
     batch, seq_len, d_model = x_BxSxD.shape
@@ -202,13 +225,15 @@ class Attention(nn.Module):
     head_dim, group = d_model // heads, heads // kv_heads
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
-    def proj(name, features, axes, std, x):
+    def proj(name, features, axes, std, x, side):
       return Projection(features, axes, std, self.policy, param_dtype,
-                        name=name)(x, bits.get(name))
+                        name=name)(x, bits.get(name), side)
 
-    q = proj('q', heads * head_dim, ('embed', 'heads'), cfg.init_std, x_BxSxD)
-    k = proj('k', kv_heads * head_dim, ('embed', 'kv_heads'), cfg.init_std, x_BxSxD)
-    v = proj('v', kv_heads * head_dim, ('embed', 'kv_heads'), cfg.init_std, x_BxSxD)
+    q, side = proj('q', heads * head_dim, ('embed', 'heads'), cfg.init_std, x_BxSxD, side)
+    k, side = proj('k', kv_heads * head_dim, ('embed', 'kv_heads'), cfg.init_std, x_BxSxD,
+                   side)
+    v, side = proj('v', kv_heads * head_dim, ('embed', 'kv_heads'), cfg.init_std, x_BxSxD,
+                   side)
     q_BxSxHxD = nn.with_logical_constraint(
         q.reshape(batch, seq_len, heads, head_dim),
         ('batch', 'length', 'heads', 'head_dim'))
@@ -233,7 +258,7 @@ class Attention(nn.Module):
     out_BxSxHD = nn.with_logical_constraint(
         out_BxSxKxGxD.reshape(batch, seq_len, heads * head_dim),
         ('batch', 'length', 'heads'))
-    return proj('o', d_model, ('heads', 'embed'), out_std, out_BxSxHD)
+    return proj('o', d_model, ('heads', 'embed'), out_std, out_BxSxHD, side)
 
 
 class Mlp(nn.Module):
@@ -242,40 +267,46 @@ class Mlp(nn.Module):
   policy: Policy
 
   @nn.compact
-  def __call__(self, x_BxSxD: Array, bits: dict) -> Array:
+  def __call__(self, x_BxSxD: Array, bits: dict, side: Any = None) -> tuple[Array, Any]:
     cfg = self.config
     _, param_dtype = _dtypes(cfg)
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
-    def proj(name, features, axes, std, x):
+    def proj(name, features, axes, std, x, side):
       return Projection(features, axes, std, self.policy, param_dtype,
-                        name=name)(x, bits.get(name))
+                        name=name)(x, bits.get(name), side)
 
-    gate = proj('gate', cfg.ffn_dim, ('embed', 'mlp'), cfg.init_std, x_BxSxD)
-    up = proj('up', cfg.ffn_dim, ('embed', 'mlp'), cfg.init_std, x_BxSxD)
+    gate, side = proj('gate', cfg.ffn_dim, ('embed', 'mlp'), cfg.init_std, x_BxSxD, side)
+    up, side = proj('up', cfg.ffn_dim, ('embed', 'mlp'), cfg.init_std, x_BxSxD, side)
     hidden_BxSxF = nn.with_logical_constraint(
         nn.silu(gate) * up, ('batch', 'length', 'mlp'))
-    return proj('down', cfg.d_model, ('mlp', 'embed'), out_std, hidden_BxSxF)
+    return proj('down', cfg.d_model, ('mlp', 'embed'), out_std, hidden_BxSxF, side)
 
 
 class Block(nn.Module):
-  """One pre-norm decoder block; the nn.scan body (carry = residual stream)."""
+  """One pre-norm decoder block; the nn.scan body.
+
+  The carry is the residual stream and the policy's side state (None unless
+  the routed policy keeps recovery residuals in a side buffer).
+  """
   config: ml_collections.ConfigDict
   policy: Policy
 
   @nn.compact
-  def __call__(self, x_BxSxD: Array, bits: dict | None,
-               rope: tuple[Array, Array]) -> tuple[Array, None]:
+  def __call__(self, carry: tuple[Array, Any], bits: dict | None,
+               rope: tuple[Array, Array]) -> tuple[tuple[Array, Any], None]:
     cfg = self.config
+    x_BxSxD, side = carry
     dtype, param_dtype = _dtypes(cfg)
     bits = bits or {'attn': {}, 'mlp': {}}
     residual_axes = ('batch', 'length', 'embed')
     h = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='attn_norm')(x_BxSxD)
-    x_BxSxD = x_BxSxD + Attention(cfg, self.policy, name='attn')(h, rope, bits['attn'])
-    x_BxSxD = nn.with_logical_constraint(x_BxSxD, residual_axes)
+    out, side = Attention(cfg, self.policy, name='attn')(h, rope, bits['attn'], side)
+    x_BxSxD = nn.with_logical_constraint(x_BxSxD + out, residual_axes)
     h = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='mlp_norm')(x_BxSxD)
-    x_BxSxD = x_BxSxD + Mlp(cfg, self.policy, name='mlp')(h, bits['mlp'])
-    return nn.with_logical_constraint(x_BxSxD, residual_axes), None
+    out, side = Mlp(cfg, self.policy, name='mlp')(h, bits['mlp'], side)
+    x_BxSxD = nn.with_logical_constraint(x_BxSxD + out, residual_axes)
+    return (x_BxSxD, _constrain_side(side)), None
 
 
 class Transformer(nn.Module):
@@ -352,7 +383,11 @@ class Transformer(nn.Module):
         unroll=cfg.scan_unroll if cfg.scan_layers else cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: 'layers'},
     )(cfg, self.policy, name='layers')
-    x_BxSxD, _ = blocks(x_BxSxD, bits, rope)
+    side = None
+    if bits is not None and hasattr(self.policy, 'init_side'):
+      side = _constrain_side(self.policy.init_side(
+          tokens.shape, unit_kernel_shapes(cfg), dtype))
+    (x_BxSxD, side), _ = blocks((x_BxSxD, side), bits, rope)
 
     x_BxSxD = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='final_norm')(x_BxSxD)
     head = self.param(
@@ -363,4 +398,6 @@ class Transformer(nn.Module):
     logits_BxSxV = jnp.einsum(
         'bsd,dv->bsv', x_BxSxD, head.astype(dtype),
         preferred_element_type=jnp.float32)
+    # The side buffer's chain ends on the logits (side_buffer.attach: + 0).
+    logits_BxSxV = side_buffer.attach(logits_BxSxV, side)
     return nn.with_logical_constraint(logits_BxSxV, ('batch', 'length', 'vocab'))

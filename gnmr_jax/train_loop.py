@@ -171,7 +171,8 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   """
   config = ml_collections.ConfigDict(config.to_dict())
   validate_config(config, len(devices) if devices is not None else jax.device_count())
-  policy = make_policy(config.precision)
+  policy = make_policy(config.precision,
+                       max_recovered=config.gnmr.max_o if config.gnmr.enabled else None)
   if data is None:
     data = make_data(config.data, jax.process_index(), jax.process_count())
   model_config = ml_collections.ConfigDict(config.model.to_dict())

@@ -187,12 +187,13 @@ def _temp_bytes_per_token(policy):
   return (_temp_bytes(policy, tokens=1024) - _temp_bytes(policy, tokens=512)) / 512
 
 
-def test_routed_saved_activation_shares_residual_slots():
+def test_per_unit_routed_saved_activation_shares_residual_slots():
   static4 = _temp_bytes_per_token(_policy(mode='static', low_cost_path='saved_activation'))
   static8 = _temp_bytes_per_token(_policy(mode='static', low_cost_path='saved_activation',
                                           saved_activation_bits=8))
   routed = _temp_bytes_per_token(_policy(mode='gnmr', low_cost_path='saved_activation',
-                                         recovery_path='saved_activation'))
+                                         recovery_path='saved_activation',
+                                         recovery_storage='per_unit'))
   bf16_bytes = _temp_bytes_per_token(_policy(mode='static', low_cost_path='bf16'))
   # 4 more bits for 4 layers x 2 matmuls x 256 features = 1024 bytes per token.
   np.testing.assert_allclose(static8 - static4, 1024, rtol=0.02)

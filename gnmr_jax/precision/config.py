@@ -7,6 +7,7 @@ import ml_collections
 from gnmr_jax.precision import registry, saved_activation
 
 MODES = ('static', 'gnmr')
+RECOVERY_STORAGE = ('side_buffer', 'per_unit')
 
 
 def default_precision_config() -> ml_collections.ConfigDict:
@@ -51,6 +52,15 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # (0 = all of them). Conditionals inside a scanned loop cost +14..18% step time
   # on an H200; unrolled they cost +0.3%. Read it through policy.scan_unroll(L).
   config.routed_scan_unroll = 0
+  # Where routed units keep the recovery path's residuals. 'side_buffer': each
+  # unit keeps only the low-cost residuals and recovered units append theirs to
+  # one buffer for side_buffer_units units (bytes = static low-cost + that
+  # buffer); 'per_unit': every unit has slots for both paths (bytes = the
+  # larger path's for every unit). Same numerics.
+  config.recovery_storage = 'side_buffer'
+  # Recovered units the side buffer holds; 0 = the controller's max_o (the
+  # training pipeline passes gnmr.max_o to make_policy).
+  config.side_buffer_units = 0
   return config
 
 
@@ -79,6 +89,10 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if not isinstance(config.block_size, int) or config.block_size < 1:
     raise ValueError(f"precision config field 'block_size' must be a positive int, "
                      f'got {config.block_size!r}.')
+  _check_choice(config, 'recovery_storage', RECOVERY_STORAGE)
+  if not isinstance(config.side_buffer_units, int) or config.side_buffer_units < 0:
+    raise ValueError("precision config field 'side_buffer_units' must be an int >= 0 "
+                     f'(0 = the controller\'s max_o), got {config.side_buffer_units!r}.')
   if not isinstance(config.routed_scan_unroll, int) or config.routed_scan_unroll < 0:
     raise ValueError("precision config field 'routed_scan_unroll' must be an int >= 0 "
                      f'(0 = fully unrolled), got {config.routed_scan_unroll!r}.')

@@ -12,7 +12,13 @@ import ml_collections
 
 from gnmr_jax.precision import config as config_lib
 from gnmr_jax.precision import path as path_lib
-from gnmr_jax.precision import registry, routing
+from gnmr_jax.precision import registry, routing, side_buffer
+
+
+def _check_dot_shapes(x, kernel) -> None:
+  if kernel.ndim != 2 or x.shape[-1] != kernel.shape[0]:
+    raise ValueError(f'dot expects x [..., K] and kernel [K, N], got x {x.shape} and '
+                     f'kernel {kernel.shape}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +32,12 @@ class PrecisionPolicy:
     low_cost_path: registered name of the low-cost path.
     recovery_path: registered name of the recovery path.
     routed_scan_unroll: layers per unrolled scan iteration when routed, 0 = all.
+    recovery_storage: where routed units keep the recovery path's residuals:
+      'side_buffer' (one buffer for ``side_buffer_units`` recovered units,
+      threaded with ``dot_side``) or 'per_unit' (every unit has slots for both
+      paths, ``dot``).
+    side_buffer_units: how many recovered units the side buffer holds (the
+      controller's max_o).
   """
 
   routed: bool
@@ -34,6 +46,8 @@ class PrecisionPolicy:
   low_cost_path: str
   recovery_path: str
   routed_scan_unroll: int = 0
+  recovery_storage: str = 'per_unit'
+  side_buffer_units: int = 0
 
   def dot(self, x: jax.Array, kernel: jax.Array, recover: jax.Array | None = None
           ) -> jax.Array:
@@ -58,9 +72,7 @@ class PrecisionPolicy:
       >>> policy.dot(jnp.ones((2, 5, 8)), jnp.ones((8, 3)), jnp.array(False)).shape
       (2, 5, 3)
     """
-    if kernel.ndim != 2 or x.shape[-1] != kernel.shape[0]:
-      raise ValueError(f'dot expects x [..., K] and kernel [K, N], got x {x.shape} and '
-                       f'kernel {kernel.shape}.')
+    _check_dot_shapes(x, kernel)
     x_2d = x.reshape(-1, x.shape[-1])
     if self.routed and recover is not None:
       y_2d = self._routed_dot(x_2d, kernel, routing.check_recover(recover))
@@ -115,6 +127,96 @@ class PrecisionPolicy:
 
     return dot_general
 
+  def side_words_per_token(self, unit_dims, dtype=jnp.bfloat16) -> int:
+    """Side-buffer width (float32 words per token) for units of these [K, N] shapes.
+
+    ``side_buffer_units`` times the largest unit's recovery residual words; 0
+    (no buffer needed) unless routed with ``recovery_storage='side_buffer'`` and
+    the recovery path keeps more than the low-cost path.
+
+    Args:
+      unit_dims: iterable of ``(K, N)`` kernel shapes of the recoverable units.
+      dtype: the activations' dtype.
+
+    Raises:
+      ValueError: a buffer is needed but ``side_buffer_units`` is 0.
+    """
+    if not self.routed or self.recovery_storage != 'side_buffer':
+      return 0
+    per_unit = max((routing.side_words_per_row(self.recovery, self.low_cost, k, n, dtype)
+                    for k, n in unit_dims), default=0)
+    if per_unit and self.side_buffer_units < 1:
+      raise ValueError(
+          f'the routed {self.low_cost_path}/{self.recovery_path} policy keeps recovery '
+          "residuals in a side buffer, but side_buffer_units is 0: set the precision "
+          "config's side_buffer_units (or make_policy's max_recovered) to the "
+          "controller's max_o, or use recovery_storage='per_unit'.")
+    return per_unit * self.side_buffer_units
+
+  def init_side(self, token_shape, unit_dims, dtype=jnp.bfloat16
+                ) -> side_buffer.SideState | None:
+    """An empty side state for one forward pass, or None when none is needed.
+
+    Args:
+      token_shape: the activations' leading (token) axes, e.g. ``(batch, seq)``.
+      unit_dims: ``(K, N)`` of every recoverable unit's kernel.
+      dtype: the activations' dtype.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from gnmr_jax.precision import make_policy, default_precision_config
+      >>> config = default_precision_config()
+      >>> config.low_cost_path = config.recovery_path = 'saved_activation'  # 4/8 bits
+      >>> policy = make_policy(config, max_recovered=2)
+      >>> side = policy.init_side((2, 5), [(8, 3)])
+      >>> side.buffer.shape   # 2 units x ceil((8 bytes + 4 scale bytes) / 3) words
+      (2, 5, 8)
+      >>> y, side = policy.dot_side(jnp.ones((2, 5, 8)), jnp.ones((8, 3)), jnp.array(True), side)
+      >>> int(side.offset)
+      4
+      >>> make_policy(default_precision_config()).init_side((2, 5), [(8, 3)]) is None  # int8/bf16
+      True
+    """
+    words = self.side_words_per_token(unit_dims, dtype)
+    return side_buffer.init(token_shape, words) if words else None
+
+  def dot_side(self, x: jax.Array, kernel: jax.Array, recover: jax.Array | None,
+               side: side_buffer.SideState | None
+               ) -> tuple[jax.Array, side_buffer.SideState | None]:
+    """``dot`` that threads the side state (``init_side``) through the unit.
+
+    With ``side=None`` this is ``(dot(x, kernel, recover), None)``. Pass the
+    returned state to the next unit, and the last one to
+    ``side_buffer.attach`` on the model's output.
+
+    Args:
+      x: [..., K] activations; ``side.buffer`` is [..., W] with the same
+        leading axes.
+      kernel: [K, N] weights.
+      recover: bool[] mask bit, or None (the unit runs the low-cost path).
+      side: a ``SideState`` or None.
+
+    Returns:
+      ``(y [..., N], side)``.
+    """
+    if side is None or recover is None:
+      return self.dot(x, kernel, recover), side
+    if side.buffer.shape[:-1] != x.shape[:-1]:
+      raise ValueError(f'side buffer {side.buffer.shape} must have the leading axes of '
+                       f'x {x.shape}.')
+    _check_dot_shapes(x, kernel)
+    rows = math.prod(x.shape[:-1])
+    y_2d, out = self._routed_side_dot(
+        x.reshape(rows, x.shape[-1]), kernel, routing.check_recover(recover),
+        side_buffer.SideState(side.buffer.reshape(rows, -1), side.offset))
+    buffer = out.buffer.reshape(side.buffer.shape)
+    return (y_2d.reshape(x.shape[:-1] + (kernel.shape[1],)),
+            side_buffer.SideState(buffer, out.offset))
+
+  @functools.cached_property
+  def _routed_side_dot(self):
+    return routing.routed_side_dot(self.recovery, self.low_cost)
+
   @functools.cached_property
   def _static_dot(self):
     return path_lib.path_dot(self.low_cost)
@@ -142,11 +244,14 @@ class PrecisionPolicy:
         self.routed_scan_unroll, num_layers)
 
 
-def make_policy(config: ml_collections.ConfigDict) -> PrecisionPolicy:
+def make_policy(config: ml_collections.ConfigDict,
+                max_recovered: int | None = None) -> PrecisionPolicy:
   """Maps a precision config to a policy, validating every field first.
 
   Args:
     config: see ``default_precision_config``.
+    max_recovered: the controller's max_o; sizes the side buffer when
+      ``config.side_buffer_units`` is 0.
 
   Returns:
     A ``PrecisionPolicy``; ``routed`` iff ``config.mode == 'gnmr'``.
@@ -167,4 +272,6 @@ def make_policy(config: ml_collections.ConfigDict) -> PrecisionPolicy:
       routed=routed, low_cost=low_cost, recovery=recovery,
       low_cost_path=config.low_cost_path,
       recovery_path=config.recovery_path if routed else config.low_cost_path,
-      routed_scan_unroll=config.routed_scan_unroll)
+      routed_scan_unroll=config.routed_scan_unroll,
+      recovery_storage=config.recovery_storage,
+      side_buffer_units=config.side_buffer_units or max_recovered or 0)

@@ -29,9 +29,11 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from gnmr_jax.precision import path as path_lib
+from gnmr_jax.precision import side_buffer
 
 
 def _aval_key(leaf):
@@ -124,6 +126,107 @@ def routed_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
 
   dot.defvjp(dot_fwd, dot_bwd_impl)
   return dot
+
+
+def routed_side_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
+  r"""A routed dot that keeps the recovery residuals in the shared side buffer.
+
+  Like ``routed_dot`` (``lax.cond`` in the forward and in the backward), but a
+  unit's own residual slots are only the low-cost path's: a recovered unit
+  packs its recovery residuals (and ``x`` when only the recovery path needs
+  it) into ``side.buffer`` at ``side.offset`` and advances the offset; its
+  backward reads them back from the buffer's cotangent (side_buffer.py). A
+  recovery that does not fit in the remaining buffer runs the low-cost path
+  instead, so a buffer sized for ``max_o`` of the largest units holds any
+  ``max_o`` recoveries.
+
+  Args:
+    recovery: recovery ``Path``; its residuals must be [M, ...] arrays.
+    low_cost: low-cost ``Path``.
+
+  Returns:
+    ``dot(x [M,K], kernel [K,N], recover bool[], side SideState) -> (y [M,N], side)``;
+    ``side.buffer`` is float32[M, W].
+  """
+  x_in_side = recovery.saves_input and not low_cost.saves_input
+
+  def layout(x, kernel):
+    low_tree = jax.eval_shape(lambda a, b: low_cost.forward(a, b)[1], x, kernel)
+    rec_tree = jax.eval_shape(lambda a, b: recovery.forward(a, b)[1], x, kernel)
+    rec_avals = jax.tree.leaves(rec_tree) + ([x] if x_in_side else [])
+    side_buffer.check_rows(rec_avals, x.shape[0], 'the recovery path')
+    return low_tree, rec_tree, rec_avals
+
+  def forward(x, kernel, recover, side):
+    low_tree, _, rec_avals = layout(x, kernel)
+    words = side_buffer.num_words(rec_avals)
+    take = recover & (side.offset + words <= side.buffer.shape[1])
+
+    def run_recovery(x, kernel, buffer):
+      y, residuals = recovery.forward(x, kernel)
+      leaves = jax.tree.leaves(residuals) + ([x] if x_in_side else [])
+      buffer = lax.dynamic_update_slice(
+          buffer, side_buffer.pack(leaves), (jnp.zeros((), jnp.int32), side.offset))
+      return y, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), low_tree), buffer
+
+    def run_low_cost(x, kernel, buffer):
+      y, residuals = low_cost.forward(x, kernel)
+      return y, residuals, buffer
+
+    y, low_residuals, buffer = lax.cond(take, run_recovery, run_low_cost, x, kernel,
+                                        side.buffer)
+    out_side = side_buffer.SideState(buffer, side.offset + jnp.where(take, words, 0))
+    saved = (low_residuals, x if low_cost.saves_input else None, kernel, take, side.offset)
+    return (y, out_side), saved
+
+  @jax.custom_vjp
+  def dot(x, kernel, recover, side):
+    return forward(x, kernel, recover, side)[0]
+
+  def dot_bwd(saved, cotangents):
+    g, side_cotangent = cotangents
+    low_residuals, x, kernel, take, offset = saved
+    rows = g.shape[0]
+    x_aval = jax.ShapeDtypeStruct((rows, kernel.shape[0]), g.dtype)
+    _, rec_tree, rec_avals = layout(x_aval, kernel)
+    words = side_buffer.num_words(rec_avals)
+    # The cotangent of the side buffer is the final buffer (side_buffer.attach).
+    buffer = side_cotangent.buffer
+
+    def run_recovery(low_residuals, x, kernel, g, buffer):
+      del low_residuals
+      region = lax.dynamic_slice(buffer, (jnp.zeros((), jnp.int32), offset), (rows, words))
+      leaves = side_buffer.unpack(region, rec_avals)
+      x_rec = leaves.pop() if x_in_side else x
+      residuals = jax.tree.unflatten(jax.tree.structure(rec_tree), leaves)
+      return recovery.backward(residuals, x_rec if recovery.saves_input else None, kernel, g)
+
+    def run_low_cost(low_residuals, x, kernel, g, buffer):
+      del buffer
+      return low_cost.backward(low_residuals, x, kernel, g)
+
+    dx, dkernel = lax.cond(take, run_recovery, run_low_cost, low_residuals, x, kernel, g,
+                           buffer)
+    no_offset_cotangent = np.zeros((), jax.dtypes.float0)  # offset is an integer
+    return dx, dkernel, None, side_buffer.SideState(buffer, no_offset_cotangent)
+
+  dot.defvjp(forward, dot_bwd)
+  return dot
+
+
+def side_words_per_row(recovery: path_lib.Path, low_cost: path_lib.Path, k: int,
+                       n: int, dtype=jnp.bfloat16) -> int:
+  """Side-buffer words per token that one recovered [K=k, N=n] unit takes (0: none).
+
+  ``dtype`` is the activations' dtype. Zero when the recovery path keeps nothing beyond the low-cost path's residuals
+  and ``x`` (e.g. int8 or fp8 routed to bf16: both keep ``x``).
+  """
+  x = jax.ShapeDtypeStruct((1, k), dtype)
+  kernel = jax.ShapeDtypeStruct((k, n), jnp.float32)
+  rec = jax.tree.leaves(jax.eval_shape(lambda a, b: recovery.forward(a, b)[1], x, kernel))
+  if recovery.saves_input and not low_cost.saves_input:
+    rec.append(x)
+  return side_buffer.num_words(rec) if rec else 0
 
 
 def check_recover(recover) -> jax.Array:

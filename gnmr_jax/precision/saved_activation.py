@@ -13,13 +13,22 @@ so a few outlier tokens flatten the rest to a handful of codes; and
 reaches the loss, the later layers' activations and, through the nonlinearities
 and attention, the input gradient, and compounds across layers.
 
-Storage is real: codes live in 4-bit nibble planes of uint8[M, ceil(K/2)] (one
-plane for k <= 4, two for 5 <= k <= 8, four bit-exact planes for bf16), plus a
-float32[M, 1] scale. Every width uses the same plane shape on purpose: when a
-routed policy differentiates ``lax.cond(recover, 8-bit, 4-bit)``, JAX merges the
-branches' residuals by aval (``_merge_branch_residuals`` in
-jax/_src/lax/control_flow/conditionals.py), so the routed unit stores two planes
-(the larger branch), not a 4-bit copy plus an 8-bit copy.
+Storage is real: k <= 2 codes live in one plane of 2-bit fields,
+uint8[M, ceil(K/4)]; wider codes in 4-bit nibble planes of uint8[M, ceil(K/2)]
+(one plane for 3 <= k <= 4, two for 5 <= k <= 8, four bit-exact planes for
+bf16); plus a float32[M, 1] scale. So 2 bits really store half the bytes of 4.
+
+The plane shape is therefore not the same for every width. Under the default
+routed storage (``recovery_storage='side_buffer'``, side_buffer.py) that does
+not matter: a unit keeps only its low-cost planes and a recovered unit's planes
+go to the shared side buffer. Under ``recovery_storage='per_unit'``, widths
+3..8 and bf16 share the nibble-plane shape on purpose: a routed unit lays out its
+branches' residuals merged by shape and dtype
+(``routing.merge_residual_slots``), so a routed 4-bit/8-bit unit stores two
+planes (the larger branch), not a 4-bit copy plus an 8-bit copy. A 2-bit plane
+matches no nibble plane, so a routed 2-bit/8-bit unit under this per-unit
+storage keeps the 2-bit plane in a slot of its own next to the two 8-bit planes
+(K/4 bytes per token more than the 8-bit set alone).
 """
 
 from __future__ import annotations
@@ -62,8 +71,9 @@ def quantize_activation(x: jax.Array, bits: int, stochastic_rounding: bool = Fal
       [M, 1] so both choices have the same residual shape).
 
   Returns:
-    ``(planes, scale)``: a tuple of uint8[M, ceil(K/2)] nibble planes and the
-    float32[M, 1] scale.
+    ``(planes, scale)``: a tuple of packed uint8 planes (one uint8[M, ceil(K/4)]
+    plane of 2-bit fields for bits <= 2, else uint8[M, ceil(K/2)] nibble planes;
+    see ``quantize.codes_to_planes``) and the float32[M, 1] scale.
   """
   if scale not in SCALES:
     raise ValueError(f'saved-activation scale must be one of {SCALES}, got {scale!r}.')
@@ -100,8 +110,8 @@ def saved_activation_path(bits: int, stochastic_rounding: bool = False, scale: s
 
   Forward :math:`y = xW` and :math:`\partial x = gW^T` are bf16 (float32
   accumulation) with the exact weights; :math:`\partial W = \hat{x}^T g` with
-  :math:`\hat{x}` the dequantized saved activation. Residuals: the nibble planes
-  and the float32[M, 1] scale (plus the kernel); ``x`` itself is not kept.
+  :math:`\hat{x}` the dequantized saved activation. Residuals: the packed code
+  planes and the float32[M, 1] scale (plus the kernel); ``x`` itself is not kept.
 
   Args:
     bits: 2..8, or 16 for bf16 storage (the recovery choice "in bf16").

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gnmr_jax.precision import side_buffer
 from gnmr_jax.precision.policy import PrecisionPolicy
 
 
@@ -28,7 +29,9 @@ def stack_apply(policy: PrecisionPolicy, params: dict, x_TxD: jax.Array,
                 activation=jax.nn.silu) -> jax.Array:
   r"""Residual MLP stack :math:`h \leftarrow h + \mathrm{act}(h W_{in}) W_{out}`.
 
-  Both matmuls of layer l use mask bit ``recovery_mask[l]``.
+  Both matmuls of layer l use mask bit ``recovery_mask[l]``. A policy with a
+  side buffer (``policy.init_side``) gets it threaded through the scan carry,
+  as the model does.
 
   Args:
     policy: precision policy.
@@ -46,15 +49,23 @@ def stack_apply(policy: PrecisionPolicy, params: dict, x_TxD: jax.Array,
           else recovery_mask)
   act = activation or (lambda u: u)
 
-  def layer(h, inputs):
+  side = None
+  if recovery_mask is not None:
+    _, d_model, d_ff = params['w_in'].shape
+    side = policy.init_side(x_TxD.shape[:-1], [(d_model, d_ff), (d_ff, d_model)],
+                            x_TxD.dtype)
+
+  def layer(carry, inputs):
+    h, side = carry
     w_in, w_out, recover = inputs
     recover = None if recovery_mask is None else recover
-    u = act(policy.dot(h, w_in, recover))
-    return (h + policy.dot(u, w_out, recover)).astype(h.dtype), None
+    u, side = policy.dot_side(h, w_in, recover, side)
+    v, side = policy.dot_side(act(u), w_out, recover, side)
+    return ((h + v).astype(h.dtype), side), None
 
-  out, _ = lax.scan(layer, x_TxD, (params['w_in'], params['w_out'], mask),
-                    unroll=unroll)
-  return out
+  (out, side), _ = lax.scan(layer, (x_TxD, side),
+                            (params['w_in'], params['w_out'], mask), unroll=unroll)
+  return side_buffer.attach(out, side)
 
 
 def stack_loss(policy, params, x_TxD, recovery_mask=None, unroll=1,

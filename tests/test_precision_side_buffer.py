@@ -1,0 +1,279 @@
+"""The side buffer: routed recovery residuals in max_o shared slots (issue 3).
+
+Checks the byte packing against a NumPy reference, that side-buffer storage
+gives bit-identical values and gradients to per-unit storage (stack and model,
+scanned and unrolled, sharded), the fallback when the buffer is full, and the
+compiled memory: static low-cost bytes plus the buffer, no more.
+"""
+
+import flax.linen as nn
+import jax
+import jax.extend
+import ml_collections
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gnmr_jax import precision, sharding
+from gnmr_jax.model import PROJECTIONS, Transformer, unit_kernel_shapes
+from gnmr_jax.model_configs import model_config
+from gnmr_jax.precision import side_buffer, testing
+
+L, T, D = 6, 64, 96
+
+PAIRS = {  # name -> precision config fields of a routed policy
+    'sa4/sa8': dict(low_cost_path='saved_activation', recovery_path='saved_activation'),
+    'sa2/sa8': dict(low_cost_path='saved_activation', recovery_path='saved_activation',
+                    saved_activation_bits=2),
+    'sa4/sa16': dict(low_cost_path='saved_activation', recovery_path='saved_activation',
+                     recovery_saved_activation_bits=16, saved_activation_scale='tensor'),
+    'sa4/bf16': dict(low_cost_path='saved_activation', recovery_path='bf16'),
+}
+
+
+def _policy(storage='side_buffer', units=2, **fields):
+  config = precision.default_precision_config()
+  config.update({'mode': 'gnmr', 'recovery_storage': storage, **fields})
+  return precision.make_policy(config, max_recovered=units)
+
+
+# --- packing ----------------------------------------------------------------------
+
+
+def _numpy_words(byte_rows):
+  """Reference: rows of bytes, zero-padded to a multiple of 3, as b0 + 2^8 b1 + 2^16 b2."""
+  rows = np.asarray(byte_rows, np.int64)
+  rows = np.pad(rows, ((0, 0), (0, -rows.shape[1] % 3))).reshape(rows.shape[0], -1, 3)
+  return rows[..., 0] + 256 * rows[..., 1] + 65536 * rows[..., 2]
+
+
+def test_pack_matches_numpy_and_round_trips_every_byte_and_special_float():
+  every_byte = np.arange(256, dtype=np.uint8).reshape(2, 128)
+  specials = np.array([[np.nan, -0.0, np.inf, -np.inf, 1e-45, -3e-39, 1.0]], np.float32)
+  specials = np.repeat(specials, 2, axis=0)
+  specials[1, 0] = np.frombuffer(np.uint32(0x7FC12345).tobytes(), np.float32)[0]  # payload
+  bf16 = jnp.asarray(np.linspace(-3, 3, 10).reshape(2, 5), jnp.bfloat16)
+  ints = np.array([[-2**31, 2**31 - 1, -1], [0, 7, 123456]], np.int32)
+  leaves = [jnp.asarray(every_byte), jnp.asarray(specials), bf16, jnp.asarray(ints)]
+  words = side_buffer.pack(leaves)
+  raw = np.concatenate([np.asarray(every_byte).view(np.uint8),
+                        specials.view(np.uint8).reshape(2, -1),
+                        np.asarray(bf16).view(np.uint8).reshape(2, -1),
+                        ints.view(np.uint8).reshape(2, -1)], axis=1)
+  assert words.dtype == jnp.float32
+  assert words.shape == (2, side_buffer.num_words(leaves)) == (2, -(-raw.shape[1] // 3))
+  np.testing.assert_array_equal(np.asarray(words, np.int64), _numpy_words(raw))
+  # Words are integers < 2^24: exact in float32, and adding zeros keeps them.
+  assert float(jnp.max(words)) < 2**24 and float(jnp.min(words)) >= 0
+  back = side_buffer.unpack(words + 0.0, leaves)
+  for got, want in zip(back, leaves):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                  np.asarray(want).view(np.uint8))
+
+
+# --- values and gradients: side buffer == per-unit storage ------------------------
+
+
+def _stack_grads(policy, params, x, mask, unroll):
+  fn = jax.jit(jax.value_and_grad(
+      lambda p, m: testing.stack_loss(policy, p, x, m, unroll=unroll)))
+  return fn(params, jnp.array(mask))
+
+
+@pytest.mark.parametrize('pair', sorted(PAIRS))
+@pytest.mark.parametrize('unroll', [1, L])
+def test_side_buffer_stack_is_bit_identical_to_per_unit_storage(pair, unroll):
+  params = testing.init_stack(jax.random.key(0), L, D, D)
+  x = jax.random.normal(jax.random.key(1), (T, D), jnp.float32)
+  side = _policy('side_buffer', units=4, **PAIRS[pair])
+  per_unit = _policy('per_unit', **PAIRS[pair])
+  results = set()
+  # Each layer is 2 units (both matmuls share the layer's bit): up to 4 units fit.
+  for mask in ([False] * L, [True] + [False] * (L - 1), [False, True, False, False, True, False]):
+    loss, grads = _stack_grads(side, params, x, mask, unroll)
+    ref_loss, ref_grads = _stack_grads(per_unit, params, x, mask, unroll)
+    assert float(loss) == float(ref_loss)
+    for name in grads:
+      np.testing.assert_array_equal(grads[name], ref_grads[name])
+    results.add(float(jnp.sum(grads['w_in'])))
+  assert len(results) == 3  # The recovered layers really change the gradients.
+
+
+def test_a_full_side_buffer_runs_the_low_cost_path_for_the_rest():
+  params = testing.init_stack(jax.random.key(2), L, D, D)
+  x = jax.random.normal(jax.random.key(3), (T, D), jnp.float32)
+  fields = PAIRS['sa4/sa8']
+  side = _policy('side_buffer', units=2, **fields)  # 2 units: layer 1's two matmuls
+  per_unit = _policy('per_unit', **fields)
+  loss, grads = _stack_grads(side, params, x, [False, True, False, True, True, False], L)
+  ref_loss, ref_grads = _stack_grads(per_unit, params, x, [False, True] + [False] * 4, L)
+  assert float(loss) == float(ref_loss)
+  for name in grads:
+    np.testing.assert_array_equal(grads[name], ref_grads[name])
+
+
+def test_policy_needs_the_buffer_size_and_row_residuals():
+  with pytest.raises(ValueError, match='side_buffer_units'):
+    _policy(units=0, **PAIRS['sa4/sa8']).init_side((T,), [(D, D)])
+  # int8 / bf16 both keep x: nothing to store aside, no buffer, no error.
+  assert _policy(units=0).init_side((T,), [(D, D)]) is None
+  assert _policy('per_unit', **PAIRS['sa4/sa8']).init_side((T,), [(D, D)]) is None
+  config = precision.default_precision_config()
+  config.recovery_storage = 'elsewhere'
+  with pytest.raises(ValueError, match="'recovery_storage'.*'side_buffer', 'per_unit'"):
+    precision.make_policy(config)
+  with pytest.raises(ValueError, match='one row per token'):
+    side_buffer.check_rows([jax.ShapeDtypeStruct((4, 4), jnp.float32)], 8, 'a path')
+
+
+def test_side_buffer_words_are_max_o_of_the_largest_unit():
+  policy = _policy(units=3, **PAIRS['sa4/sa8'])
+  # 8-bit codes: K bytes per token plus a float32 scale, packed 3 bytes a word.
+  assert policy.side_words_per_token([(64, 8), (160, 8)]) == 3 * -(-(160 + 4) // 3)
+  bf16_path = _policy(units=3, **PAIRS['sa4/bf16'])  # keeps x: 2 bytes per feature
+  assert bf16_path.side_words_per_token([(64, 8)]) == 3 * -(-128 // 3)
+
+
+# --- memory -------------------------------------------------------------------------
+
+
+def _residual_bytes(policy, tokens, layers=4, width=256):
+  """Bytes the compiled forward keeps for the backward pass (params excluded)."""
+  params = jax.eval_shape(lambda: testing.init_stack(jax.random.key(0), layers, width, width))
+  x = jax.ShapeDtypeStruct((tokens, width), jnp.bfloat16)
+  mask = jax.ShapeDtypeStruct((layers,), jnp.bool_)
+  loss = lambda p, x, m: jnp.mean(
+      testing.stack_apply(policy, p, x, m, activation=None).astype(jnp.float32))
+  forward = jax.jit(lambda p, x, m: jax.vjp(lambda p: loss(p, x, m), p)[1])
+  out = forward.lower(params, x, mask).compile().memory_analysis().output_size_in_bytes
+  return out - 2 * layers * width * width * 4
+
+
+def test_side_buffer_bytes_are_static_low_cost_plus_the_buffer():
+  tokens, width = 512, 256
+  static4 = _residual_bytes(_policy(mode='static', low_cost_path='saved_activation'), tokens)
+  static8 = _residual_bytes(_policy(mode='static', low_cost_path='saved_activation',
+                                    saved_activation_bits=8), tokens)
+  per_unit = _residual_bytes(_policy('per_unit', **PAIRS['sa4/sa8']), tokens)
+  policy = _policy('side_buffer', units=1, **PAIRS['sa4/sa8'])
+  side = _residual_bytes(policy, tokens)
+  buffer = tokens * policy.side_words_per_token([(width, width)]) * 4
+  assert buffer == tokens * -(-(width + 4) // 3) * 4
+  assert static4 <= side <= static4 + buffer + 256, (static4, side, buffer)
+  # Per-unit slots hold the 8-bit set for all 8 units; the buffer holds one unit.
+  assert per_unit >= static8 - 256 and side + buffer < per_unit, (side, per_unit)
+
+
+# --- the model --------------------------------------------------------------------
+
+
+def _tiny_model_config(num_layers=3):
+  config = model_config('tiny')
+  config.num_layers, config.d_model, config.ffn_dim = num_layers, 64, 160
+  config.num_heads, config.num_kv_heads = 4, 2
+  return config
+
+
+def _mask(units, num_layers):
+  """Projection mask with the listed (group, name, layer) units recovered."""
+  return {'layers': {
+      group: {name: {'kernel': jnp.array([(group, name, l) in units for l in range(num_layers)])}
+              for name in names}
+      for group, names in PROJECTIONS.items()}}
+
+
+def _model_grads(policy, config, tokens, mask):
+  model = Transformer(config, policy)
+  params = nn.unbox(model.init(jax.random.key(1), tokens)['params'])
+
+  def loss(p):
+    logits = model.apply({'params': p}, tokens, mask)
+    targets = jnp.roll(tokens, -1, axis=1)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize('scan_unroll', [1, 3])
+def test_model_side_buffer_matches_per_unit_storage(scan_unroll):
+  config = _tiny_model_config()
+  config.scan_unroll = scan_unroll
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+  fields = PAIRS['sa2/sa8']
+  units = {('mlp', 'down', 0), ('attn', 'q', 2), ('mlp', 'up', 1)}
+  side_policy = _policy('side_buffer', units=3, **fields)
+  words = side_policy.side_words_per_token(unit_kernel_shapes(config))
+  assert words == 3 * -(-(160 + 4) // 3)  # sized by the down projection (K = ffn)
+  loss, grads = _model_grads(side_policy, config, tokens, _mask(units, 3))
+  ref_loss, ref_grads = _model_grads(_policy('per_unit', **fields), config, tokens,
+                                     _mask(units, 3))
+  _, low_grads = _model_grads(side_policy, config, tokens, _mask(set(), 3))
+  assert float(loss) == float(ref_loss)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_array_equal(got, want)
+  # The saved activations only touch weight gradients: the recovered units' differ.
+  down = lambda g: g['layers']['mlp']['down']['kernel']
+  assert not np.array_equal(down(grads)[0], down(low_grads)[0])
+  np.testing.assert_array_equal(down(grads)[2], down(low_grads)[2])
+
+
+def test_sharded_model_gradients_with_a_side_buffer():
+  """data x fsdp x tensor = 2x2x2: the side buffer shards with the tokens and gives
+  the per-unit storage's gradients bit for bit (and the one-device ones up to the
+  bf16 roundings that sharded sums change)."""
+  config = _tiny_model_config(num_layers=2)
+  config.update(dict(vocab_size=64, max_seq_len=8, init_std=0.2))
+  mesh = sharding.make_mesh(ml_collections.ConfigDict(dict(data=2, fsdp=2, tensor=2)))
+  rules = sharding.default_logical_rules()
+  tokens = jax.random.randint(jax.random.key(1), (4, 8), 0, 64, jnp.int32)
+  mask = _mask({('attn', 'o', 1), ('mlp', 'down', 0)}, 2)
+
+  def grads(storage, mask, sharded=True):
+    model = Transformer(config, _policy(storage, units=2, **PAIRS['sa4/sa8']))
+    params = sharding.init_params(model, jax.random.key(0), mesh, rules, (4, 8))
+    step = jax.jit(jax.grad(lambda p, t, m: jnp.mean(
+        model.apply({'params': p}, t, m)[..., 0] ** 2)))
+    if not sharded:
+      return step(jax.device_put(params, jax.devices()[0]), tokens, mask)
+    with sharding.activation_sharding(mesh, rules):
+      return step(params, jax.device_put(tokens, sharding.batch_sharding(mesh)),
+                  jax.device_put(mask, sharding.replicated(mesh)))
+
+  sharded = grads('side_buffer', mask)
+  for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(grads('per_unit', mask))):
+    np.testing.assert_array_equal(got, want)
+  one_device = grads('side_buffer', mask, sharded=False)
+  for got, want in zip(jax.tree.leaves(sharded), jax.tree.leaves(one_device)):
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-3)
+  low = grads('side_buffer', _mask(set(), 2), sharded=False)
+  down = lambda g: np.asarray(g['layers']['mlp']['down']['kernel'][0])
+  assert not np.allclose(down(one_device), down(low), rtol=1e-3, atol=0)
+
+
+def _eqns(jaxpr):
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub)
+
+
+def test_side_buffer_routing_is_a_real_branch_under_scan():
+  """Unbatched cond predicates, no select_n over path outputs; the recovery
+  branches write (forward) and read (backward) the buffer, the low-cost ones don't."""
+  policy = _policy('side_buffer', units=2, **PAIRS['sa4/sa8'])
+  params = testing.init_stack(jax.random.key(0), L, D, 2 * D)
+  x = jnp.ones((T, D), jnp.bfloat16)
+  step = jax.value_and_grad(lambda p, m: testing.stack_loss(policy, p, x, m))
+  eqns = list(_eqns(jax.make_jaxpr(step)(params, jnp.zeros((L,), bool)).jaxpr))
+  assert 'scan' in {e.primitive.name for e in eqns}
+  selects = {e.outvars[0].aval.shape for e in eqns if e.primitive.name == 'select_n'}
+  assert not {(T, D), (T, 2 * D), (D, 2 * D), (2 * D, D)} & selects, selects
+  conds = [e for e in eqns if e.primitive.name == 'cond']
+  assert len(conds) == 4  # 2 matmuls x (forward, backward)
+  for cond in conds:
+    assert cond.invars[0].aval.shape == ()
+    low_cost, recovery = cond.params['branches']
+    low_names = {e.primitive.name for e in _eqns(low_cost.jaxpr)}
+    rec_names = {e.primitive.name for e in _eqns(recovery.jaxpr)}
+    assert rec_names & {'dynamic_update_slice', 'dynamic_slice'}
+    assert not low_names & {'dynamic_update_slice', 'dynamic_slice'}
