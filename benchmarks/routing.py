@@ -32,12 +32,13 @@ SIZES = {  # layers, tokens, d_model, d_ff, max_o
 }
 
 
-def _policy(mode, low_cost_path):
+def _policy(mode, low_cost_path, max_o=0):
   config = precision.default_precision_config()
   config.mode, config.low_cost_path = mode, low_cost_path
   if low_cost_path == 'saved_activation':
-    config.recovery_path = 'saved_activation'
-  return precision.make_policy(config)
+    config.recovery_path = 'saved_activation'  # 4/8 bits, recovery residuals in the side buffer
+  # A recovered layer is two units (both matmuls share its bit).
+  return precision.make_policy(config, max_recovered=2 * max_o)
 
 
 def _step(policy, unroll):
@@ -75,7 +76,7 @@ def main():
   print(' | '.join(header))
   worst_unrolled = float('nan') if args.compile_only else 0.0
   for path in args.paths.split(','):
-    routed = _policy('gnmr', path)
+    routed = _policy('gnmr', path, max_o)
     full = routed.scan_unroll(layers)
     steps = {('bf16', 1): bf16_step}
     for unroll in (1, full):
