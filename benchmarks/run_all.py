@@ -18,6 +18,8 @@ SCRIPTS = [
     ("Routing: static vs routed precision paths (issue 3)", ["benchmarks/routing.py"]),
     ("Saved-activation memory (issue 3)", ["benchmarks/activation_memory.py"]),
     ("Model train step: bf16 vs static vs routed (issues 3, 4)", ["benchmarks/model_step.py"]),
+    ("Compile cost of the unrolled routed step per model config (issue 3)",
+     ["benchmarks/compile_cost.py", "--models", "tiny,60m,130m,1b,7b,13b"]),
 ]
 
 

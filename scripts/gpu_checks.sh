@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Every GPU check of issue 3 in one call, sized for one H200 lease (~9 minutes).
+#
+# The device image has jax, flax, optax, orbax-checkpoint, chex, absl-py and pyyaml but
+# not ml_collections: carry its wheel. Once, here, in the repo root:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl ml_collections==1.1.0
+# Then, with the device tool: run(command="bash scripts/gpu_checks.sh", carry=[".whl"],
+# timeout_s=600). Each step writes $OUT/<step>.txt (what finished comes back even if a
+# later step is cut by its timeout); $OUT/env.txt records date, device and versions.
+# Paste the tables into BENCHMARKS.md with that header (never retype numbers).
+set -u
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__,
+"optax", optax.__version__, jax.devices())'
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+step() {  # step NAME SECONDS CMD...
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name (limit ${seconds}s): $*"
+  timeout "$seconds" "$@" > "$OUT/$name.txt" 2>&1
+  echo "   exit $? ; last lines:"
+  tail -4 "$OUT/$name.txt"
+}
+
+# The issue's goal: static fp8 >= 1.8x and int8 >= 1.45x the bf16 step's tokens/s on the
+# 1B config; routed within 3% of the faster static step (rolled or unrolled).
+step model_step_1b 300 python3 benchmarks/model_step.py --model 1b --batch 32 --seq 256 \
+  --paths fp8,int8 --rounds 3 --iters 3
+# The MLP-stack probe size of ../shared/reference/gpu-anchors.md, int8 and fp8.
+step routing_gpu 150 python3 benchmarks/routing.py --size gpu --paths fp8,int8 --rounds 3 \
+  --iters 3
+# The controller's cost next to adamw at 60M and 130M parameters.
+step controller_overhead 60 python3 benchmarks/controller_overhead.py --configs 60m,130m
+ls -l "$OUT"
