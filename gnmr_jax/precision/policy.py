@@ -55,7 +55,9 @@ class PrecisionPolicy:
 
     Static policies ignore ``recover`` (no cond in the program). Routed policies
     run ``lax.cond(recover, recovery, low_cost)``; ``recover=None`` means the unit
-    is not recoverable and runs the low-cost path.
+    is not recoverable and runs the low-cost path. The unit keeps both paths'
+    residuals in its own slots (merged by shape and dtype); ``dot_side`` keeps the
+    recovery path's in the shared side buffer instead.
 
     Args:
       x: [..., K] activations.
