@@ -224,6 +224,11 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   if config.precision.mode == "gnmr" and not g.enabled:
     raise ValueError("config.precision.mode='gnmr' needs config.gnmr.enabled=True "
                      "(the recovery mask comes from the controller).")
+  units = config.precision.side_buffer_units
+  if config.precision.mode == "gnmr" and isinstance(units, int) and 0 < units < g.max_o:
+    raise ValueError(f"config.precision.side_buffer_units={units} < config.gnmr.max_o="
+                     f"{g.max_o}: recoveries beyond the buffer would run the low-cost path; "
+                     "use 0 (= max_o) or at least max_o.")
   _check_unit_regexes(config)
   _int(c, "checkpoint", "every_steps", 0)
   _int(c, "checkpoint", "max_to_keep", 1)

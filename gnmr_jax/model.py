@@ -388,6 +388,10 @@ class Transformer(nn.Module):
       side = _constrain_side(self.policy.init_side(
           tokens.shape, unit_kernel_shapes(cfg), dtype))
     (x_BxSxD, side), _ = blocks((x_BxSxD, side), bits, rope)
+    if side is not None:
+      # Recoveries that found the side buffer full ran the low-cost path: 0 whenever
+      # the mask holds at most side_buffer_units units (the controller's max_o).
+      self.sow('intermediates', 'side_buffer_dropped', side.dropped)
 
     x_BxSxD = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='final_norm')(x_BxSxD)
     head = self.param(

@@ -194,10 +194,10 @@ def _model_grads(policy, config, tokens, mask):
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize('scan_unroll', [1, 3])
-def test_model_side_buffer_matches_per_unit_storage(scan_unroll):
+@pytest.mark.parametrize('scan_unroll,remat', [(1, 'none'), (3, 'none'), (1, 'full')])
+def test_model_side_buffer_matches_per_unit_storage(scan_unroll, remat):
   config = _tiny_model_config()
-  config.scan_unroll = scan_unroll
+  config.scan_unroll, config.remat = scan_unroll, remat
   tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
   fields = PAIRS['sa2/sa8']
   units = {('mlp', 'down', 0), ('attn', 'q', 2), ('mlp', 'up', 1)}
@@ -277,3 +277,29 @@ def test_side_buffer_routing_is_a_real_branch_under_scan():
     rec_names = {e.primitive.name for e in _eqns(recovery.jaxpr)}
     assert rec_names & {'dynamic_update_slice', 'dynamic_slice'}
     assert not low_names & {'dynamic_update_slice', 'dynamic_slice'}
+
+
+def test_the_model_reports_recoveries_the_full_buffer_dropped():
+  config = _tiny_model_config()
+  tokens = jax.random.randint(jax.random.key(0), (2, 16), 0, 256)
+  model = Transformer(config, _policy('side_buffer', units=2, **PAIRS['sa4/sa8']))
+  params = nn.unbox(model.init(jax.random.key(1), tokens)['params'])
+  # The buffer holds 2 x 55 words (2 down projections, K=160: ceil(164/3)); a K=64 unit
+  # takes 23, so smaller units pack tighter: q, k, up (69 words) leave too little for down.
+  downs = {('mlp', 'down', l) for l in range(3)}
+  mixed = {('attn', 'q', 0), ('attn', 'k', 1), ('mlp', 'up', 2), ('mlp', 'down', 2)}
+  for recovered, dropped in ((set(), 0), (set(list(downs)[:2]), 0), (downs, 1), (mixed, 1)):
+    _, state = model.apply({'params': params}, tokens, _mask(recovered, 3),
+                           mutable=['intermediates'])
+    assert int(state['intermediates']['side_buffer_dropped'][0]) == dropped
+
+
+def test_pipeline_config_refuses_a_buffer_smaller_than_max_o():
+  from gnmr_jax.config import base_config, validate_config  # pylint: disable=g-import-not-at-top
+  config = base_config('tiny')
+  config.gnmr.max_o = 4
+  config.precision.side_buffer_units = 2
+  with pytest.raises(ValueError, match='side_buffer_units=2 < config.gnmr.max_o=4'):
+    validate_config(config, device_count=1)
+  config.precision.side_buffer_units = 0  # = max_o
+  validate_config(config, device_count=1)

@@ -210,10 +210,9 @@ class PrecisionPolicy:
     rows = math.prod(x.shape[:-1])
     y_2d, out = self._routed_side_dot(
         x.reshape(rows, x.shape[-1]), kernel, routing.check_recover(recover),
-        side_buffer.SideState(side.buffer.reshape(rows, -1), side.offset))
+        side._replace(buffer=side.buffer.reshape(rows, -1)))
     buffer = out.buffer.reshape(side.buffer.shape)
-    return (y_2d.reshape(x.shape[:-1] + (kernel.shape[1],)),
-            side_buffer.SideState(buffer, out.offset))
+    return y_2d.reshape(x.shape[:-1] + (kernel.shape[1],)), out._replace(buffer=buffer)
 
   @functools.cached_property
   def _routed_side_dot(self):

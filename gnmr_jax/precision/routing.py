@@ -29,7 +29,6 @@ import itertools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from gnmr_jax.precision import path as path_lib
@@ -175,7 +174,8 @@ def routed_side_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
 
     y, low_residuals, buffer = lax.cond(take, run_recovery, run_low_cost, x, kernel,
                                         side.buffer)
-    out_side = side_buffer.SideState(buffer, side.offset + jnp.where(take, words, 0))
+    out_side = side_buffer.SideState(buffer, side.offset + jnp.where(take, words, 0),
+                                     side.dropped + (recover & ~take).astype(jnp.int32))
     saved = (low_residuals, x if low_cost.saves_input else None, kernel, take, side.offset)
     return (y, out_side), saved
 
@@ -207,8 +207,7 @@ def routed_side_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
 
     dx, dkernel = lax.cond(take, run_recovery, run_low_cost, low_residuals, x, kernel, g,
                            buffer)
-    no_offset_cotangent = np.zeros((), jax.dtypes.float0)  # offset is an integer
-    return dx, dkernel, None, side_buffer.SideState(buffer, no_offset_cotangent)
+    return dx, dkernel, None, side_buffer.no_cotangent(buffer)
 
   dot.defvjp(forward, dot_bwd)
   return dot

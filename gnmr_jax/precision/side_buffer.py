@@ -38,6 +38,7 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 BYTES_PER_WORD = 3  # Bytes packed into one float32 word (an integer < 2^24).
@@ -51,16 +52,25 @@ class SideState(NamedTuple):
     buffer: float32[..., W] words per token; the leading axes are the tokens'
       (the activations' leading axes, so it shards like them).
     offset: int32[] first free word of the last axis.
+    dropped: int32[] recoveries that did not fit and ran the low-cost path
+      (0 when the mask holds at most the buffer's units).
   """
 
   buffer: jax.Array
   offset: jax.Array
+  dropped: jax.Array
 
 
 def init(token_shape: Sequence[int], words_per_token: int) -> SideState:
   """An empty side state for activations of leading shape ``token_shape``."""
   return SideState(jnp.zeros(tuple(token_shape) + (words_per_token,), WORD_DTYPE),
-                   jnp.zeros((), jnp.int32))
+                   jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+
+
+def no_cotangent(buffer_cotangent: jax.Array) -> SideState:
+  """The cotangent of a SideState: the buffer's, and float0 zeros for the counters."""
+  zero = np.zeros((), jax.dtypes.float0)
+  return SideState(buffer_cotangent, zero, zero)
 
 
 def _row_bytes(aval) -> int:
