@@ -10,6 +10,8 @@
 # timeout_s=600). Each step writes $OUT/<step>.txt (what finished comes back even if a
 # later step is cut by its timeout); $OUT/env.txt records date, device and versions.
 # Paste the tables into BENCHMARKS.md with that header (never retype numbers).
+# SMALL=1 runs the same steps at CPU sizes: a dry run here before spending device time
+# (PATH=.venv/bin:$PATH SMALL=1 bash scripts/gpu_checks.sh).
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
@@ -37,11 +39,16 @@ step() {  # step NAME SECONDS CMD...
 
 # The goal: static fp8 >= 1.8x and int8 >= 1.45x the bf16 step's tokens/s on the
 # 1B config; routed within 3% of the faster static step (rolled or unrolled).
-step model_step_1b 300 python3 benchmarks/model_step.py --model 1b --batch 32 --seq 256 \
-  --paths fp8,int8 --rounds 3 --iters 3
+if [ "${SMALL:-0}" = 1 ]; then
+  MODEL=(--model tiny --batch 4 --seq 64) SIZE=cpu CONFIGS=tiny
+else
+  MODEL=(--model 1b --batch 32 --seq 256) SIZE=gpu CONFIGS=60m,130m
+fi
+step model_step 330 python3 benchmarks/model_step.py "${MODEL[@]}" --paths fp8,int8 \
+  --rounds 3 --iters 3
 # The MLP-stack probe size of ../shared/reference/gpu-anchors.md, int8 and fp8.
-step routing_gpu 150 python3 benchmarks/routing.py --size gpu --paths fp8,int8 --rounds 3 \
+step routing 150 python3 benchmarks/routing.py --size "$SIZE" --paths fp8,int8 --rounds 3 \
   --iters 3
 # The controller's cost next to adamw at 60M and 130M parameters.
-step controller_overhead 60 python3 benchmarks/controller_overhead.py --configs 60m,130m
+step controller_overhead 60 python3 benchmarks/controller_overhead.py --configs "$CONFIGS"
 ls -l "$OUT"
