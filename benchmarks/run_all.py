@@ -40,7 +40,7 @@ def main():
            f"({platform.node()}, {os.cpu_count()} CPU cores; {versions()}).", "",
            "Every ratio is measured side by side in one run (interleaved), so machine noise "
            "hits both sides alike. No GPU numbers yet: none was lent to the sessions so far; "
-           "`benchmarks/routing.py --size gpu` is the H200 run.", ""]
+           "`scripts/gpu_checks.sh` is the H200 run (all GPU checks in one call).", ""]
   for title, cmd in SCRIPTS:
     print(f"running {' '.join(cmd)} ...", file=sys.stderr, flush=True)
     out = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True,
