@@ -36,10 +36,10 @@ from gnmr_jax.model import PROJECTIONS, Transformer  # noqa: E402
 from gnmr_jax.model_configs import model_config  # noqa: E402
 
 
-def policy_for(mode, path):
+def policy_for(mode, path, max_o=4):
   cfg = precision.default_precision_config()
   cfg.mode, cfg.low_cost_path = mode, path
-  return precision.make_policy(cfg)
+  return precision.make_policy(cfg, max_recovered=max_o)
 
 
 def mask_tree(num_layers, k):
@@ -105,7 +105,7 @@ def main():
     static = policy_for("static", path)
     steps = {"bf16": bf16_step, "static": make_step(model_cfg, static)[1],
              "static unrolled": make_step(model_cfg, static, unroll=L)[1],
-             "routed": make_step(model_cfg, policy_for("gnmr", path))[1]}
+             "routed": make_step(model_cfg, policy_for("gnmr", path, args.max_o))[1]}
     # Compiled once each (static programs get no mask); the timed calls reuse them.
     compiled = {name: compile_stats(fn, params, tokens, masks[0] if name == "routed" else None)
                 for name, fn in steps.items()}

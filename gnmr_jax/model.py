@@ -371,6 +371,14 @@ class Transformer(nn.Module):
 
     block = Block
     remat = {True: 'full', False: 'none'}.get(cfg.remat, cfg.remat)
+    side = None
+    # Under remat the residuals are recomputed in the backward pass, so per-unit storage
+    # keeps nothing and a side buffer would only add its bytes (everything_saveable keeps
+    # them all, as without remat).
+    if (bits is not None and hasattr(self.policy, 'init_side')
+        and remat in ('none', 'everything_saveable')):
+      side = _constrain_side(self.policy.init_side(
+          tokens.shape, unit_kernel_shapes(cfg), dtype))
     if remat != 'none':
       # prevent_cse is unnecessary under scan and blocks optimisations.
       block = nn.remat(block, policy=_REMAT_POLICIES[remat], prevent_cse=False)
@@ -383,10 +391,6 @@ class Transformer(nn.Module):
         unroll=cfg.scan_unroll if cfg.scan_layers else cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: 'layers'},
     )(cfg, self.policy, name='layers')
-    side = None
-    if bits is not None and hasattr(self.policy, 'init_side'):
-      side = _constrain_side(self.policy.init_side(
-          tokens.shape, unit_kernel_shapes(cfg), dtype))
     (x_BxSxD, side), _ = blocks((x_BxSxD, side), bits, rope)
     if side is not None:
       # Recoveries that found the side buffer full ran the low-cost path: 0 whenever

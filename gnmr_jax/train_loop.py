@@ -93,13 +93,17 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, inject
       if injector is not None:  # reliability tests only (config.faults)
         params = injector.corrupt_params(params, step_number,
                                          select(mask) if mask is not None else None)
-      logits = model.apply({"params": params}, batch["inputs"], recovery_mask=mask)
+      logits, sown = model.apply({"params": params}, batch["inputs"], recovery_mask=mask,
+                                 mutable=["intermediates"])
       loss, _, _ = cross_entropy(logits, batch["targets"])
       if injector is not None:
         loss = injector.corrupt_loss(loss, step_number)
-      return loss
+      # Recoveries the side buffer had no room for (0 with the controller's mask).
+      dropped = sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(
+          sown.get("intermediates", {}).get("side_buffer_dropped", ())))
+      return loss, jnp.asarray(dropped, jnp.int32)
 
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    (loss, dropped), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     if injector is not None:
       grads = injector.corrupt_grads(grads, step_number)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -107,7 +111,8 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, inject
     grad_norm = optax.tree.norm(grads)
     metrics = {"loss": loss, "grad_norm": grad_norm,
                "learning_rate": schedule(state.step),
-               "nonfinite": ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm))}
+               "nonfinite": ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm)),
+               "side_buffer_dropped": dropped}
     new_ctl = _controller(opt_state)
     if new_ctl is not None:
       tel = new_ctl.telemetry
@@ -337,6 +342,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
   tokens_per_step = config.data.batch_size * config.data.seq_len
   pending = None  # (step, device metrics) fetched one step late
   bad_streak = 0
+  dropped_total = 0
   timed_steps, timed_seconds = 0, 0.0
   last_eval = None
   t_last = time.perf_counter()
@@ -349,9 +355,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     ckpt.save(step, state, train_iter.get_state(), meta, force=force)
 
   def handle(step, metrics):
-    nonlocal bad_streak, t_last, steps_since_log, timed_steps, timed_seconds
+    nonlocal bad_streak, t_last, steps_since_log, timed_steps, timed_seconds, dropped_total
     host = _host(metrics)
     bad_streak = bad_streak + 1 if bool(host["nonfinite"]) else 0
+    dropped_total += int(host["side_buffer_dropped"])
     steps_since_log += 1
     if step % config.logging.log_every == 0 or step == total:
       now = time.perf_counter()
@@ -424,7 +431,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
              "low_cost_path": config.precision.low_cost_path,
              "num_params": int(sum(x.size for x in jax.tree_util.tree_leaves(state.params))),
              "unigram_perplexity": float(run.data.unigram_perplexity),
-             "tokens_per_s": (timed_steps * tokens_per_step / timed_seconds) if timed_seconds else float("nan")}
+             "tokens_per_s": (timed_steps * tokens_per_step / timed_seconds) if timed_seconds else float("nan"),
+             "side_buffer_dropped": dropped_total}
   if last_eval is not None:
     summary.update(last_eval)
   if last_host is not None and "num_units" in last_host:
@@ -464,6 +472,9 @@ def format_summary(summary: dict) -> str:
                  f"{summary['num_units']} units x {summary['step']} steps "
                  f"(threshold exceedance {summary['threshold_exceedance_pct']:.3f}%)")
   lines.append(f"  tokens/s                  {summary['tokens_per_s']:.0f}")
+  if summary.get("side_buffer_dropped"):
+    lines.append(f"  WARNING: {summary['side_buffer_dropped']} recoveries found the side buffer full "
+                 "and ran the low-cost path (precision.side_buffer_units < recovered units)")
   for name, path in (summary.get("plots") or {}).items():
     lines.append(f"  plot {name:20s} {path}")
   return "\n".join(lines)

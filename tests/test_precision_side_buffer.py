@@ -114,11 +114,11 @@ def test_a_full_side_buffer_runs_the_low_cost_path_for_the_rest():
 
 
 def test_policy_needs_the_buffer_size_and_row_residuals():
-  with pytest.raises(ValueError, match='side_buffer_units'):
-    _policy(units=0, **PAIRS['sa4/sa8']).init_side((T,), [(D, D)])
+  with pytest.raises(ValueError, match='its size is unset'):
+    _policy(units=None, **PAIRS['sa4/sa8']).init_side((T,), [(D, D)], jnp.bfloat16)
   # int8 / bf16 both keep x: nothing to store aside, no buffer, no error.
-  assert _policy(units=0).init_side((T,), [(D, D)]) is None
-  assert _policy('per_unit', **PAIRS['sa4/sa8']).init_side((T,), [(D, D)]) is None
+  assert _policy(units=None).init_side((T,), [(D, D)], jnp.bfloat16) is None
+  assert _policy('per_unit', **PAIRS['sa4/sa8']).init_side((T,), [(D, D)], jnp.bfloat16) is None
   config = precision.default_precision_config()
   config.recovery_storage = 'elsewhere'
   with pytest.raises(ValueError, match="'recovery_storage'.*'side_buffer', 'per_unit'"):
@@ -130,9 +130,10 @@ def test_policy_needs_the_buffer_size_and_row_residuals():
 def test_side_buffer_words_are_max_o_of_the_largest_unit():
   policy = _policy(units=3, **PAIRS['sa4/sa8'])
   # 8-bit codes: K bytes per token plus a float32 scale, packed 3 bytes a word.
-  assert policy.side_words_per_token([(64, 8), (160, 8)]) == 3 * -(-(160 + 4) // 3)
-  bf16_path = _policy(units=3, **PAIRS['sa4/bf16'])  # keeps x: 2 bytes per feature
-  assert bf16_path.side_words_per_token([(64, 8)]) == 3 * -(-128 // 3)
+  assert policy.side_words_per_token([(64, 8), (160, 8)], jnp.bfloat16) == 3 * -(-(160 + 4) // 3)
+  bf16_path = _policy(units=3, **PAIRS['sa4/bf16'])  # keeps x: its bytes per feature
+  assert bf16_path.side_words_per_token([(64, 8)], jnp.bfloat16) == 3 * -(-128 // 3)
+  assert bf16_path.side_words_per_token([(64, 8)], jnp.float32) == 3 * -(-256 // 3)
 
 
 # --- memory -------------------------------------------------------------------------
@@ -158,7 +159,7 @@ def test_side_buffer_bytes_are_static_low_cost_plus_the_buffer():
   per_unit = _residual_bytes(_policy('per_unit', **PAIRS['sa4/sa8']), tokens)
   policy = _policy('side_buffer', units=1, **PAIRS['sa4/sa8'])
   side = _residual_bytes(policy, tokens)
-  buffer = tokens * policy.side_words_per_token([(width, width)]) * 4
+  buffer = tokens * policy.side_words_per_token([(width, width)], jnp.bfloat16) * 4
   assert buffer == tokens * -(-(width + 4) // 3) * 4
   assert static4 <= side <= static4 + buffer + 256, (static4, side, buffer)
   # Per-unit slots hold the 8-bit set for all 8 units; the buffer holds one unit.
@@ -202,7 +203,7 @@ def test_model_side_buffer_matches_per_unit_storage(scan_unroll, remat):
   fields = PAIRS['sa2/sa8']
   units = {('mlp', 'down', 0), ('attn', 'q', 2), ('mlp', 'up', 1)}
   side_policy = _policy('side_buffer', units=3, **fields)
-  words = side_policy.side_words_per_token(unit_kernel_shapes(config))
+  words = side_policy.side_words_per_token(unit_kernel_shapes(config), jnp.float32)
   assert words == 3 * -(-(160 + 4) // 3)  # sized by the down projection (K = ffn)
   loss, grads = _model_grads(side_policy, config, tokens, _mask(units, 3))
   ref_loss, ref_grads = _model_grads(_policy('per_unit', **fields), config, tokens,
@@ -303,3 +304,84 @@ def test_pipeline_config_refuses_a_buffer_smaller_than_max_o():
     validate_config(config, device_count=1)
   config.precision.side_buffer_units = 0  # = max_o
   validate_config(config, device_count=1)
+
+
+def test_a_zero_budget_runs_the_low_cost_path_with_no_cond():
+  """max_o = 0 (an ablation): no room at all, so the program is the static low-cost one."""
+  params = testing.init_stack(jax.random.key(4), L, D, D)
+  x = jax.random.normal(jax.random.key(5), (T, D), jnp.float32)
+  zero = _policy('side_buffer', units=0, **PAIRS['sa4/sa8'])
+  loss, grads = _stack_grads(zero, params, x, [True] * L, L)
+  static = _policy(mode='static', low_cost_path='saved_activation')
+  ref_loss, ref_grads = _stack_grads(static, params, x, [True] * L, L)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for name in grads:  # the same program up to XLA's fusion choices
+    np.testing.assert_allclose(grads[name], ref_grads[name], rtol=1e-5, atol=1e-8)
+  step = jax.grad(lambda p: testing.stack_loss(zero, p, x, jnp.ones((L,), bool)))
+  assert 'cond' not in {e.primitive.name for e in _eqns(jax.make_jaxpr(step)(params).jaxpr)}
+  config = _tiny_model_config()
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  model = Transformer(config, zero)
+  variables = model.init(jax.random.key(0), tokens)
+  units = {('attn', 'q', 0), ('mlp', 'down', 1)}
+  _, sown = model.apply(variables, tokens, _mask(units, 3), mutable=['intermediates'])
+  assert int(sown['intermediates']['side_buffer_dropped'][0]) == 2
+
+
+def test_second_order_derivatives_refuse_the_side_buffer():
+  params = testing.init_stack(jax.random.key(6), 2, 16, 16)
+  x = jax.random.normal(jax.random.key(7), (8, 16), jnp.float32)
+  mask = jnp.array([True, False])
+
+  def penalty(policy):
+    grad = lambda p: jax.grad(lambda p: testing.stack_loss(policy, p, x, mask))(p)
+    return jax.grad(lambda p: sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grad(p))))(params)
+
+  with pytest.raises(NotImplementedError, match="recovery_storage='per_unit'"):
+    penalty(_policy('side_buffer', **PAIRS['sa4/sa8']))
+  assert all(np.isfinite(g).all() for g in jax.tree.leaves(
+      penalty(_policy('per_unit', **PAIRS['sa4/sa8']))))
+
+
+@pytest.mark.parametrize('remat,uses_buffer', [('full', False), ('dots_saveable', False),
+                                               ('everything_saveable', True)])
+def test_remat_recomputes_instead_of_keeping_a_buffer(remat, uses_buffer):
+  config = _tiny_model_config()
+  config.remat = remat
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  model = Transformer(config, _policy('side_buffer', **PAIRS['sa4/sa8']))
+  variables = model.init(jax.random.key(0), tokens)
+  _, sown = model.apply(variables, tokens, _mask({('attn', 'q', 0)}, 3),
+                        mutable=['intermediates'])
+  assert ('side_buffer_dropped' in sown.get('intermediates', {})) == uses_buffer
+
+
+def test_attach_returns_its_input_bit_for_bit():
+  y = jnp.array([-0.0, 1.5, jnp.nan, -jnp.inf], jnp.float32)
+  state = side_buffer.init((4,), 3)
+  np.testing.assert_array_equal(np.asarray(side_buffer.attach(y, state)).view(np.uint32),
+                                np.asarray(y).view(np.uint32))
+
+
+def test_the_pipeline_reports_recoveries_beyond_the_buffer(tmp_path, data_dirs):
+  """A chain whose controller recovers more units than the config's buffer holds (a
+  make_tx override): the run summary counts the recoveries that ran low-cost."""
+  from gnmr_jax import optim, train_loop  # pylint: disable=g-import-not-at-top
+  from train_helpers import small_config  # pylint: disable=g-import-not-at-top
+  config = small_config(data_dirs, **{
+      'train.steps': 6, 'data.batch_size': 8, 'gnmr.max_o': 1, 'gnmr.warmup': 0,
+      'gnmr.alpha': 1e-3, 'gnmr.beta': 1e-3,  # every unit is risky
+      'precision.low_cost_path': 'saved_activation',
+      'precision.recovery_path': 'saved_activation'})
+
+  def make_tx(cfg):
+    wide = ml_collections.ConfigDict(cfg.to_dict())
+    wide.gnmr.max_o = 6  # recovers 6 units; the buffer (gnmr.max_o=1) holds one
+    return optim.make_optimizer(wide)
+
+  summary = train_loop.train_and_evaluate(config, str(tmp_path), make_tx=make_tx)
+  assert summary['side_buffer_dropped'] > 0
+  assert 'side buffer full' in train_loop.format_summary(summary)
+  config.train.steps = 4
+  summary = train_loop.train_and_evaluate(config, str(tmp_path / 'fits'))
+  assert summary['side_buffer_dropped'] == 0

@@ -37,7 +37,8 @@ class PrecisionPolicy:
       threaded with ``dot_side``) or 'per_unit' (every unit has slots for both
       paths, ``dot``).
     side_buffer_units: how many recovered units the side buffer holds (the
-      controller's max_o).
+      controller's max_o; 0 = none: every unit runs the low-cost path), or None
+      when unset (a policy that needs a buffer then refuses to build one).
   """
 
   routed: bool
@@ -47,7 +48,7 @@ class PrecisionPolicy:
   recovery_path: str
   routed_scan_unroll: int = 0
   recovery_storage: str = 'per_unit'
-  side_buffer_units: int = 0
+  side_buffer_units: int | None = None
 
   def dot(self, x: jax.Array, kernel: jax.Array, recover: jax.Array | None = None
           ) -> jax.Array:
@@ -129,7 +130,7 @@ class PrecisionPolicy:
 
     return dot_general
 
-  def side_words_per_token(self, unit_dims, dtype=jnp.bfloat16) -> int:
+  def side_words_per_token(self, unit_dims, dtype) -> int:
     """Side-buffer width (float32 words per token) for units of these [K, N] shapes.
 
     ``side_buffer_units`` times the largest unit's recovery residual words; 0
@@ -141,28 +142,27 @@ class PrecisionPolicy:
       dtype: the activations' dtype.
 
     Raises:
-      ValueError: a buffer is needed but ``side_buffer_units`` is 0.
+      ValueError: a buffer is needed but ``side_buffer_units`` is unset.
     """
     if not self.routed or self.recovery_storage != 'side_buffer':
       return 0
     per_unit = max((routing.side_words_per_row(self.recovery, self.low_cost, k, n, dtype)
                     for k, n in unit_dims), default=0)
-    if per_unit and self.side_buffer_units < 1:
+    if per_unit and self.side_buffer_units is None:
       raise ValueError(
           f'the routed {self.low_cost_path}/{self.recovery_path} policy keeps recovery '
-          "residuals in a side buffer, but side_buffer_units is 0: set the precision "
-          "config's side_buffer_units (or make_policy's max_recovered) to the "
-          "controller's max_o, or use recovery_storage='per_unit'.")
+          "residuals in a side buffer, but its size is unset: set the precision config's "
+          "side_buffer_units, or pass the controller's max_o as make_policy(..., "
+          "max_recovered=), or use recovery_storage='per_unit'.")
     return per_unit * self.side_buffer_units
 
-  def init_side(self, token_shape, unit_dims, dtype=jnp.bfloat16
-                ) -> side_buffer.SideState | None:
+  def init_side(self, token_shape, unit_dims, dtype) -> side_buffer.SideState | None:
     """An empty side state for one forward pass, or None when none is needed.
 
     Args:
       token_shape: the activations' leading (token) axes, e.g. ``(batch, seq)``.
       unit_dims: ``(K, N)`` of every recoverable unit's kernel.
-      dtype: the activations' dtype.
+      dtype: the activations' dtype (a bf16 recovery path keeps x at its size).
 
     Example:
       >>> import jax.numpy as jnp
@@ -170,17 +170,21 @@ class PrecisionPolicy:
       >>> config = default_precision_config()
       >>> config.low_cost_path = config.recovery_path = 'saved_activation'  # 4/8 bits
       >>> policy = make_policy(config, max_recovered=2)
-      >>> side = policy.init_side((2, 5), [(8, 3)])
+      >>> side = policy.init_side((2, 5), [(8, 3)], jnp.bfloat16)
       >>> side.buffer.shape   # 2 units x ceil((8 bytes + 4 scale bytes) / 3) words
       (2, 5, 8)
       >>> y, side = policy.dot_side(jnp.ones((2, 5, 8)), jnp.ones((8, 3)), jnp.array(True), side)
       >>> int(side.offset)
       4
-      >>> make_policy(default_precision_config()).init_side((2, 5), [(8, 3)]) is None  # int8/bf16
+      >>> make_policy(default_precision_config()).init_side((2, 5), [(8, 3)], jnp.bfloat16) is None
       True
     """
-    words = self.side_words_per_token(unit_dims, dtype)
-    return side_buffer.init(token_shape, words) if words else None
+    if not self.routed or self.recovery_storage != 'side_buffer' or not max(
+        (routing.side_words_per_row(self.recovery, self.low_cost, k, n, dtype)
+         for k, n in unit_dims), default=0):
+      return None  # Nothing to keep aside: dot_side is dot.
+    # With side_buffer_units=0 the buffer has no room: every unit runs the low-cost path.
+    return side_buffer.init(token_shape, self.side_words_per_token(unit_dims, dtype))
 
   def dot_side(self, x: jax.Array, kernel: jax.Array, recover: jax.Array | None,
                side: side_buffer.SideState | None
@@ -275,4 +279,4 @@ def make_policy(config: ml_collections.ConfigDict,
       recovery_path=config.recovery_path if routed else config.low_cost_path,
       routed_scan_unroll=config.routed_scan_unroll,
       recovery_storage=config.recovery_storage,
-      side_buffer_units=config.side_buffer_units or max_recovered or 0)
+      side_buffer_units=config.side_buffer_units or max_recovered)

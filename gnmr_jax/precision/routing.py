@@ -159,6 +159,14 @@ def routed_side_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
   def forward(x, kernel, recover, side):
     low_tree, _, rec_avals = layout(x, kernel)
     words = side_buffer.num_words(rec_avals)
+    if side.buffer.shape[1] < words:
+      # No room for even one recovery of this unit (e.g. a zero budget): the low-cost
+      # path, with no cond in the program.
+      y, low_residuals = low_cost.forward(x, kernel)
+      out_side = side._replace(dropped=side.dropped + recover.astype(jnp.int32))
+      saved = (low_residuals, x if low_cost.saves_input else None, kernel, jnp.array(False),
+               side.offset)
+      return (y, out_side), saved
     take = recover & (side.offset + words <= side.buffer.shape[1])
 
     def run_recovery(x, kernel, buffer):
@@ -192,6 +200,10 @@ def routed_side_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
     words = side_buffer.num_words(rec_avals)
     # The cotangent of the side buffer is the final buffer (side_buffer.attach).
     buffer = side_cotangent.buffer
+    g = side_buffer.first_order_only(g)
+    if buffer.shape[1] < words:
+      dx, dkernel = low_cost.backward(low_residuals, x, kernel, g)
+      return dx, dkernel, None, side_buffer.no_cotangent(buffer)
 
     def run_recovery(low_residuals, x, kernel, g, buffer):
       del low_residuals
@@ -214,7 +226,7 @@ def routed_side_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
 
 
 def side_words_per_row(recovery: path_lib.Path, low_cost: path_lib.Path, k: int,
-                       n: int, dtype=jnp.bfloat16) -> int:
+                       n: int, dtype) -> int:
   """Side-buffer words per token that one recovered [K=k, N=n] unit takes (0: none).
 
   ``dtype`` is the activations' dtype. Zero when the recovery path keeps nothing beyond the low-cost path's residuals

@@ -29,7 +29,9 @@ the raw bytes in the buffer.
 Rules for callers (the model and ``testing.stack_apply`` follow them):
 the state returned by one unit goes to the next unit only (a chain, no fan-out),
 and the last state goes to ``attach`` on a value the loss depends on.
-Reverse-mode only, as every ``custom_vjp``.
+First-order reverse mode only: differentiating the backward pass again
+(reverse-over-reverse) raises (``first_order_only``); use per-unit storage for
+that.
 """
 
 from __future__ import annotations
@@ -140,25 +142,26 @@ def unpack(words: jax.Array, avals: Sequence) -> list[jax.Array]:
 
 
 @jax.custom_vjp
-def _sink(buffer: jax.Array) -> jax.Array:
+def _attach(y: jax.Array, buffer: jax.Array) -> jax.Array:
   del buffer
-  return jnp.zeros((), WORD_DTYPE)
+  return y
 
 
-def _sink_fwd(buffer):
-  return jnp.zeros((), WORD_DTYPE), buffer
+def _attach_fwd(y, buffer):
+  return y, buffer
 
 
-def _sink_bwd(buffer, g):
-  del g  # A channel, not a derivative: the final buffer goes back unchanged.
-  return (buffer,)
+def _attach_bwd(buffer, g):
+  # y's cotangent passes unchanged; the buffer's "cotangent" is the final buffer itself
+  # (a channel, not a derivative).
+  return g, buffer
 
 
-_sink.defvjp(_sink_fwd, _sink_bwd)
+_attach.defvjp(_attach_fwd, _attach_bwd)
 
 
 def attach(y: jax.Array, state: SideState | None) -> jax.Array:
-  """Returns ``y`` unchanged (``y + 0``) and closes the side-buffer chain.
+  """Returns ``y`` unchanged and closes the side-buffer chain.
 
   Call it once, on a value the loss depends on (the model's logits), with the
   state the last routed unit returned; its backward sends the final buffer back
@@ -166,4 +169,25 @@ def attach(y: jax.Array, state: SideState | None) -> jax.Array:
   """
   if state is None:
     return y
-  return y + _sink(state.buffer).astype(y.dtype)
+  return _attach(y, state.buffer)
+
+
+@jax.custom_jvp
+def first_order_only(g: jax.Array) -> jax.Array:
+  """Identity that refuses to be differentiated (guards the side buffer's backward).
+
+  The side buffer stores residuals as integer words, which carry no derivative, so
+  differentiating a backward pass that reads them (reverse-over-reverse, e.g. a
+  gradient penalty) would silently drop terms. Its JVP rule raises instead.
+  """
+  return g
+
+
+@first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+  del primals, tangents
+  raise NotImplementedError(
+      "higher-order derivatives through a routed unit with recovery_storage='side_buffer' "
+      "are not supported (its residuals are stored as integer words and carry no "
+      "derivative); use precision.recovery_storage='per_unit' for gradient penalties or "
+      "other derivatives of gradients.")
