@@ -25,6 +25,12 @@ def compile_stats(jitted, *args):
   return compiled, seconds, len(compiled.as_text())
 
 
+def temp_mib(compiled) -> float:
+  """The compiled program's temp (scratch) memory in MiB, from XLA's memory analysis."""
+  analysis = compiled.memory_analysis()
+  return float('nan') if analysis is None else analysis.temp_size_in_bytes / 2**20
+
+
 def interleaved_seconds(calls, rounds=5, iters=3):
   """Round-robin timing of several no-argument calls; per call the best round's median.
 

@@ -5,7 +5,9 @@ time; ../shared/reference/gpu-anchors.md), which makes the program grow with the
 of layers. For each model config this compiles, without running, the fwd+bwd step of:
 the static low-cost step in a rolled scan (the default static program), the same step
 unrolled, and the GNMR-routed step (unrolled, per-unit conds). Columns: compile seconds
-and optimized HLO text size; the ratios are routed over static rolled. Parameters are
+optimized HLO text size and XLA's temp memory; the ratios are routed over static rolled.
+The configs from 1b up use model.remat='full': on XLA:CPU the unrolled programs keep what
+remat should have recomputed (temp grows with the unrolled layers). Parameters are
 shapes only, so large configs compile on a CPU (XLA:CPU's compile times, not a GPU's).
 
   python benchmarks/compile_cost.py                           # tiny,60m,1b
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._timing import compile_stats  # noqa: E402
+from benchmarks._timing import compile_stats, temp_mib  # noqa: E402
 from benchmarks.model_step import make_step, mask_tree, policy_for  # noqa: E402
 from gnmr_jax.model_configs import model_config  # noqa: E402
 
@@ -37,8 +39,8 @@ def main():
   print(f"# {datetime.date.today()} {platform.node()} jax {jax.__version__} backend "
         f"{jax.default_backend()}; path {args.path}; tokens/step {args.batch}x{args.seq}; "
         "compile only")
-  print("model | layers | units | static rolled s / kB | static unrolled s / kB | "
-        "routed s / kB | routed/static_rolled compile | routed/static_rolled size")
+  print("model | layers | units | remat | static rolled s / kB / temp MiB | static unrolled "
+        "s / kB / temp MiB | routed s / kB / temp MiB | routed/static_rolled compile | size | temp")
   for name in args.models.split(","):
     cfg = model_config(name)
     cfg.vocab_size = max(cfg.vocab_size, 256)
@@ -57,10 +59,11 @@ def main():
         "routed": compile_stats(make_step(cfg, policy_for("gnmr", args.path))[1], params,
                                 tokens, mask),
     }
-    cells = " | ".join(f"{s:.1f} / {h / 1e3:.0f}" for _, s, h in rows.values())
+    cells = " | ".join(f"{s:.1f} / {h / 1e3:.0f} / {temp_mib(c):.0f}" for c, s, h in rows.values())
     base, routed = rows["static rolled"], rows["routed"]
-    print(f"{name} | {layers} | {7 * layers} | {cells} | {routed[1] / base[1]:.1f} | "
-          f"{routed[2] / base[2]:.1f}")
+    print(f"{name} | {layers} | {7 * layers} | {cfg.remat} | {cells} | "
+          f"{routed[1] / base[1]:.1f} | {routed[2] / base[2]:.1f} | "
+          f"{temp_mib(routed[0]) / temp_mib(base[0]):.1f}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ recovered, all timed interleaved in one run against the bf16 step. Ratios:
               unrolled (routing's own cost; goal <= 1.03)
   recK/interp routed with K units recovered / linear interpolation between the static and
               bf16 steps at K of N units (goal <= 1.03)
-Also compile seconds and optimized-HLO size of each program. Last line:
+Also compile seconds, optimized-HLO size and XLA's temp memory (MiB) of each program: the
+unrolled programs defeat model.remat on XLA:CPU (temp grows with the unrolled layers), so
+check it on the GPU too. Last line:
 `model_routed_empty_over_static: <worst ratio>`.
 
   python benchmarks/model_step.py                      # tiny config, CPU size
@@ -30,7 +32,7 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._timing import compile_stats, interleaved_seconds  # noqa: E402
+from benchmarks._timing import compile_stats, interleaved_seconds, temp_mib  # noqa: E402
 from gnmr_jax import precision  # noqa: E402
 from gnmr_jax.model import PROJECTIONS, Transformer  # noqa: E402
 from gnmr_jax.model_configs import model_config  # noqa: E402
@@ -98,8 +100,8 @@ def main():
         f"{jax.default_backend()} ({jax.devices()[0].device_kind}); model {args.model} "
         f"L={L} d={model_cfg.d_model} tokens/step={args.batch * args.seq} units={n_units} "
         f"max_o={args.max_o} dtype={args.dtype}")
-  print("path | variant | compile_s | hlo_kB | ms | x_bf16 | rec0/static | rec1/interp | "
-        f"rec{args.max_o}/interp")
+  print("path | variant | compile_s | hlo_kB | temp_MiB | ms | x_bf16 | rec0/static | "
+        f"rec1/interp | rec{args.max_o}/interp")
   worst = 0.0
   for path in args.paths.split(","):
     static = policy_for("static", path)
@@ -109,10 +111,10 @@ def main():
     # Compiled once each (static programs get no mask); the timed calls reuse them.
     compiled = {name: compile_stats(fn, params, tokens, masks[0] if name == "routed" else None)
                 for name, fn in steps.items()}
-    stats = {name: c[1:] for name, c in compiled.items()}
+    stats = {name: (c[1], c[2], temp_mib(c[0])) for name, c in compiled.items()}
     if args.compile_only:
-      for name, (c, h) in stats.items():
-        print(f"{path} | {name} | {c:.1f} | {h / 1e3:.0f} | - | - | - | - | -")
+      for name, (c, h, m) in stats.items():
+        print(f"{path} | {name} | {c:.1f} | {h / 1e3:.0f} | {m:.0f} | - | - | - | - | -")
       continue
     calls = {(name, 0): functools.partial(compiled[name][0], params, tokens, None)
              for name in ("bf16", "static", "static unrolled")}
@@ -127,9 +129,9 @@ def main():
     worst = max(worst, ratios[0])
     for name, ms in (("bf16", t_bf16), ("static", t["static", 0]),
                      ("static unrolled", t["static unrolled", 0]), ("routed", t["routed", 0])):
-      c, h = stats[name]
+      c, h, m = stats[name]
       extra = " | ".join(f"{r:.3f}" for r in ratios) if name == "routed" else "- | - | -"
-      print(f"{path} | {name} | {c:.1f} | {h / 1e3:.0f} | {ms * 1e3:.2f} | "
+      print(f"{path} | {name} | {c:.1f} | {h / 1e3:.0f} | {m:.0f} | {ms * 1e3:.2f} | "
             f"{t_bf16 / ms:.2f} | {extra}")
   print(f"model_routed_empty_over_static: {float('nan') if args.compile_only else worst:.3f}")
 
