@@ -78,6 +78,9 @@ def main():
   parser.add_argument("--paths", default="int8,fp8")
   parser.add_argument("--max_o", type=int, default=4)
   parser.add_argument("--dtype", default="bfloat16", help="compute dtype of the model")
+  parser.add_argument("--remat", default="none",
+                      help="model.remat for every program (default none: the step's own matmul "
+                           "cost, as the GPU anchors measured it; 'config' keeps the config's)")
   parser.add_argument("--rounds", type=int, default=4)
   parser.add_argument("--iters", type=int, default=3)
   parser.add_argument("--compile_only", action="store_true",
@@ -85,6 +88,8 @@ def main():
   args = parser.parse_args()
   model_cfg = model_config(args.model)
   model_cfg.dtype = args.dtype
+  if args.remat != "config":
+    model_cfg.remat = args.remat
   model_cfg.vocab_size = max(model_cfg.vocab_size, 256)
   L = model_cfg.num_layers
   n_units = 7 * L
@@ -99,7 +104,7 @@ def main():
   print(f"# {datetime.date.today()} {platform.node()} jax {jax.__version__} backend "
         f"{jax.default_backend()} ({jax.devices()[0].device_kind}); model {args.model} "
         f"L={L} d={model_cfg.d_model} tokens/step={args.batch * args.seq} units={n_units} "
-        f"max_o={args.max_o} dtype={args.dtype}")
+        f"max_o={args.max_o} dtype={args.dtype} remat={model_cfg.remat}")
   print("path | variant | compile_s | hlo_kB | temp_MiB | ms | x_bf16 | rec0/static | "
         f"rec1/interp | rec{args.max_o}/interp")
   worst = 0.0
