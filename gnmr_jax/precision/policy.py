@@ -130,6 +130,13 @@ class PrecisionPolicy:
 
     return dot_general
 
+  def _largest_unit_side_words(self, unit_dims, dtype) -> int:
+    """Words per token one recovery of the largest unit takes in the side buffer (0: none)."""
+    if not self.routed or self.recovery_storage != 'side_buffer':
+      return 0
+    return max((routing.side_words_per_row(self.recovery, self.low_cost, k, n, dtype)
+                for k, n in unit_dims), default=0)
+
   def side_words_per_token(self, unit_dims, dtype) -> int:
     """Side-buffer width (float32 words per token) for units of these [K, N] shapes.
 
@@ -144,10 +151,7 @@ class PrecisionPolicy:
     Raises:
       ValueError: a buffer is needed but ``side_buffer_units`` is unset.
     """
-    if not self.routed or self.recovery_storage != 'side_buffer':
-      return 0
-    per_unit = max((routing.side_words_per_row(self.recovery, self.low_cost, k, n, dtype)
-                    for k, n in unit_dims), default=0)
+    per_unit = self._largest_unit_side_words(unit_dims, dtype)
     if per_unit and self.side_buffer_units is None:
       raise ValueError(
           f'the routed {self.low_cost_path}/{self.recovery_path} policy keeps recovery '
@@ -179,9 +183,7 @@ class PrecisionPolicy:
       >>> make_policy(default_precision_config()).init_side((2, 5), [(8, 3)], jnp.bfloat16) is None
       True
     """
-    if not self.routed or self.recovery_storage != 'side_buffer' or not max(
-        (routing.side_words_per_row(self.recovery, self.low_cost, k, n, dtype)
-         for k, n in unit_dims), default=0):
+    if not self._largest_unit_side_words(unit_dims, dtype):
       return None  # Nothing to keep aside: dot_side is dot.
     # With side_buffer_units=0 the buffer has no room: every unit runs the low-cost path.
     return side_buffer.init(token_shape, self.side_words_per_token(unit_dims, dtype))
