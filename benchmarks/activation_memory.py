@@ -32,14 +32,14 @@ import pathlib
 import platform
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repo root
 
+from benchmarks.model_step import init_params, mask_tree  # noqa: E402
 from gnmr_jax import precision  # noqa: E402
-from gnmr_jax.model import PROJECTIONS, Transformer, unit_kernel_shapes  # noqa: E402
+from gnmr_jax.model import Transformer, unit_kernel_shapes  # noqa: E402
 from gnmr_jax.model_configs import model_config  # noqa: E402
 from gnmr_jax.precision import path as path_lib, quantize, registry, testing  # noqa: E402
 
@@ -109,10 +109,8 @@ def model_bytes(policy, batch, seq, model_name, dtype):
   cfg.scan_unroll = policy.scan_unroll(cfg.num_layers)
   model = Transformer(cfg, policy)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-  params = jax.eval_shape(
-      lambda: nn.unbox(model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32))['params']))
-  mask = {'layers': {g: {n: {'kernel': jax.ShapeDtypeStruct((cfg.num_layers,), jnp.bool_)}
-                         for n in names} for g, names in PROJECTIONS.items()}}
+  params = init_params(model, seq, abstract=True)
+  mask = jax.eval_shape(lambda: mask_tree(cfg.num_layers, 0))
 
   def loss(p, tokens, mask):
     logits = model.apply({'params': p}, tokens, mask)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._timing import compile_stats, temp_mib  # noqa: E402
-from benchmarks.model_step import make_step, mask_tree, policy_for  # noqa: E402
+from benchmarks.model_step import init_params, make_step, mask_tree, policy_for  # noqa: E402
 from gnmr_jax.model_configs import model_config  # noqa: E402
 
 
@@ -48,9 +48,7 @@ def main():
     tokens = jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32)
     static = policy_for("static", args.path)
     model, _ = make_step(cfg, static)
-    params = jax.eval_shape(lambda k, m=model: jax.tree.map(
-        lambda x: getattr(x, "value", x), m.init(k, jnp.zeros((1, args.seq), jnp.int32))["params"],
-        is_leaf=lambda x: hasattr(x, "value")), jax.random.key(0))
+    params = init_params(model, args.seq, abstract=True)
     mask = jax.eval_shape(lambda n=layers: mask_tree(n, 0))
     rows = {
         "static rolled": compile_stats(make_step(cfg, static, unroll=1)[1], params, tokens, None),

@@ -24,6 +24,7 @@ import os
 import platform
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -56,6 +57,12 @@ def mask_tree(num_layers, k):
   for (group, proj), bits in zip(units, on):
     tree["layers"][group][proj] = {"kernel": jnp.asarray(bits)}
   return tree
+
+
+def init_params(model, seq, abstract=False):
+  """The model's plain (unboxed) params for sequences of ``seq`` tokens; shapes only if abstract."""
+  init = lambda k: nn.unbox(model.init(k, jnp.zeros((1, seq), jnp.int32))["params"])
+  return jax.eval_shape(init, jax.random.key(0)) if abstract else jax.jit(init)(jax.random.key(0))
 
 
 def make_step(model_cfg, policy, unroll=None):
@@ -95,11 +102,7 @@ def main():
   n_units = 7 * L
   tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, model_cfg.vocab_size)
   bf16_model, bf16_step = make_step(model_cfg, policy_for("static", "bf16"))
-  init = lambda k: jax.tree.map(lambda x: getattr(x, "value", x),
-                                bf16_model.init(k, tokens)["params"],
-                                is_leaf=lambda x: hasattr(x, "value"))
-  params = (jax.eval_shape(init, jax.random.key(0)) if args.compile_only
-            else jax.jit(init)(jax.random.key(0)))
+  params = init_params(bf16_model, args.seq, abstract=args.compile_only)
   masks = {k: mask_tree(L, k) for k in (0, 1, args.max_o)}
   print(f"# {datetime.date.today()} {platform.node()} jax {jax.__version__} backend "
         f"{jax.default_backend()} ({jax.devices()[0].device_kind}); model {args.model} "
