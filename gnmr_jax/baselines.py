@@ -7,8 +7,9 @@
   each leaf is clipped to ``ratio`` times an EMA of its own past (clipped) norms.
 * :func:`random_recovery`: the GNMR controller's statistics and telemetry, but a
   recovery mask of ``max_o`` units drawn uniformly at random every step (the same
-  budget, no signal). Its state is a :class:`gnmr_jax.GNMRState`, so the train
-  loop reads the mask with ``controller_state(opt_state).mask`` unchanged.
+  budget, no signal): ``gnmr_jax.selection.prioritized('random', t_lock=0)``. Its
+  state holds a :class:`gnmr_jax.GNMRState`, so the train loop reads the mask with
+  ``controller_state(opt_state).mask`` unchanged.
 
 The GNMR ablations need no code: score only = ``beta`` huge, dGNMR only =
 ``alpha`` huge, no lock = ``t_lock=0``, and global clipping is
@@ -30,8 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gnmr_jax import controller as controller_lib
-from gnmr_jax import units as units_lib
+from gnmr_jax import selection
 
 
 def _check_fraction(name, value):
@@ -239,31 +239,10 @@ def random_recovery(max_o: int, seed: int = 0, *, units=None, layer_axis=None,
     alpha, beta, delta: thresholds of the wrapped controller (telemetry only).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a ``GNMRState``.
+    An ``optax.GradientTransformationExtraArgs`` whose state holds a ``GNMRState``.
   """
   _check_int("random_recovery: max_o", max_o, 0)
   _check_int("random_recovery: seed", seed, 0)
-  inner = controller_lib.gnmr(alpha=alpha, beta=beta, delta=delta, max_o=0, t_lock=0,
-                              warmup=warmup, units=units, layer_axis=layer_axis)
-  unit_selector = units_lib.compile_selector(units, "units")
-  axis_selector = units_lib.compile_selector(layer_axis, "layer_axis")
-
-  def update_fn(updates, state, params=None, **extra_args):
-    updates, new_state = inner.update(updates, state, params, **extra_args)
-    layout = units_lib.resolve_units(updates, unit_selector, axis_selector)
-    num_units = sum(u.num_units for u in layout)
-    if num_units == 0:
-      return updates, new_state
-    step = new_state.count
-    order = jax.random.permutation(jax.random.fold_in(jax.random.key(seed), step), num_units)
-    chosen = jnp.zeros((num_units,), jnp.bool_).at[order[:min(max_o, num_units)]].set(True)
-    chosen = chosen & (step > warmup)
-    treedef = jax.tree_util.tree_structure(updates)
-    mask = controller_lib._unflat(chosen, layout, treedef, jnp.bool_)  # pylint: disable=protected-access
-    num_active = jnp.sum(chosen, dtype=jnp.int32)
-    tel = new_state.telemetry
-    telemetry = tel._replace(num_active=num_active,
-                             active_unit_steps=state.telemetry.active_unit_steps + num_active)
-    return updates, new_state._replace(mask=mask, telemetry=telemetry)
-
-  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+  return selection.prioritized("random", max_o=max_o, t_lock=0, warmup=warmup, alpha=alpha,
+                               beta=beta, delta=delta, units=units, layer_axis=layer_axis,
+                               seed=seed)

@@ -21,12 +21,13 @@ from gnmr_jax.model import PROJECTIONS
 from gnmr_jax.model_configs import model_config, validate_model_config
 from gnmr_jax.sharding import MESH_AXES, default_mesh_config, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
+from gnmr_jax.selection import GAP_PRIORITIES, PRIORITIES
 
 NONFINITE_POLICIES = ("skip", "zero", "none")
 GROUPS = ("model", "data", "train", "optimizer", "gnmr", "precision", "checkpoint", "logging", "mesh",
-          "faults")
+          "faults", "diagnostics")
 # Groups a config may omit (configs written before they existed); they default to off.
-OPTIONAL_GROUPS = ("faults",)
+OPTIONAL_GROUPS = ("faults", "diagnostics")
 
 
 def gnmr_config() -> ml_collections.ConfigDict:
@@ -51,6 +52,23 @@ def gnmr_config() -> ml_collections.ConfigDict:
   c.units = r"layers/(attn|mlp)/(q|k|v|o|gate|up|down)/kernel"
   # Regex selecting layer-stacked leaves whose axis-0 slices are separate units.
   c.layer_axis = r"^layers/"
+  # How the max_o units are ranked (gnmr_jax.selection): 'gnmr' (the paper's rule, above),
+  # 'norm' (gradient-norm level), 'gap' (measured recovery gap; needs
+  # diagnostics.recovery_gap_every > 0), 'oracle' (the last measured gap alone), 'hybrid'
+  # (the paper's transient risk first, the norm level fills the budget) or 'random'.
+  c.priority = "gnmr"
+  # 'gap' only: weight of the old estimate when a new measurement arrives, in [0, 1).
+  c.gap_decay = 0.0
+  return c
+
+
+def diagnostics_config() -> ml_collections.ConfigDict:
+  """Measurements that cost extra compute, off by default."""
+  c = ml_collections.ConfigDict()
+  # Every this many steps (at steps 1, 1 + K, ...), also compute the gradients with every unit
+  # on the recovery path and log the per-unit recovery gap (gnmr_jax/recovery_gap.py); it
+  # feeds gnmr.priority='gap'/'oracle'. 0: never. Costs one extra forward+backward per measure.
+  c.recovery_gap_every = 0
   return c
 
 
@@ -115,6 +133,8 @@ def base_config(model: str = "tiny") -> ml_collections.ConfigDict:
   config.mesh = default_mesh_config()
   # Fault injection for reliability tests (off); see gnmr_jax/faults.py.
   config.faults = default_faults_config()
+  # Extra measurements (recovery gap), off.
+  config.diagnostics = diagnostics_config()
   return config
 
 
@@ -143,7 +163,9 @@ def _check_keys(config):
   if missing:
     raise ValueError(f"config is missing groups {missing}.")
   reference = base_config()
-  for group in ("train", "optimizer", "gnmr", "checkpoint", "logging"):
+  for group in ("train", "optimizer", "gnmr", "checkpoint", "logging", "diagnostics"):
+    if group not in config:
+      continue
     extra = sorted(set(config[group].keys()) - set(reference[group].keys()))
     if extra:
       raise ValueError(f"config.{group} has unknown fields {extra}; valid fields: "
@@ -221,6 +243,21 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   _int(g, "gnmr", "max_o", 0)
   _int(g, "gnmr", "t_lock", 0)
   _int(g, "gnmr", "warmup", 0)
+  if g.priority not in PRIORITIES:
+    raise ValueError(f"config.gnmr.priority must be one of {list(PRIORITIES)}, got {g.priority!r}.")
+  _float(g, "gnmr", "gap_decay", 0.0, inclusive=True)
+  if g.gap_decay >= 1:
+    raise ValueError(f"config.gnmr.gap_decay must be in [0, 1), got {g.gap_decay!r}.")
+  gap_every = config.diagnostics.recovery_gap_every if "diagnostics" in config else 0
+  if "diagnostics" in config:
+    _int(config.diagnostics, "diagnostics", "recovery_gap_every", 0)
+  if g.enabled and g.priority in GAP_PRIORITIES and not gap_every:
+    raise ValueError(f"config.gnmr.priority={g.priority!r} ranks units by a measured recovery "
+                     "gap: set config.diagnostics.recovery_gap_every to K > 0 (measure every K "
+                     "steps).")
+  if gap_every and not g.enabled:
+    raise ValueError("config.diagnostics.recovery_gap_every > 0 needs config.gnmr.enabled=True "
+                     "(the gap is logged per controller unit).")
   if config.precision.mode == "gnmr" and not g.enabled:
     raise ValueError("config.precision.mode='gnmr' needs config.gnmr.enabled=True "
                      "(the recovery mask comes from the controller).")

@@ -13,6 +13,7 @@ import numpy as np
 METRICS_FILE = "metrics.jsonl"
 EVAL_FILE = "eval.jsonl"
 UNITS_FILE = "units.jsonl"
+GAP_FILE = "recovery_gap.jsonl"
 UNIT_NAMES_FILE = "unit_names.json"
 SUMMARY_FILE = "summary.json"
 
@@ -40,6 +41,7 @@ class MetricsLogger:
     self._metrics = open(os.path.join(workdir, METRICS_FILE), "a", encoding="utf-8")
     self._eval = open(os.path.join(workdir, EVAL_FILE), "a", encoding="utf-8")
     self._units = open(os.path.join(workdir, UNITS_FILE), "a", encoding="utf-8")
+    self._gap = open(os.path.join(workdir, GAP_FILE), "a", encoding="utf-8")
     with open(os.path.join(workdir, UNIT_NAMES_FILE), "w", encoding="utf-8") as f:
       json.dump(list(unit_names), f)
     self._tb = None
@@ -95,15 +97,34 @@ class MetricsLogger:
       print(msg, file=sys.stderr)
 
   def units(self, step: int, mask: np.ndarray, score: np.ndarray, gnmr: np.ndarray,
-            delta_gnmr: np.ndarray):
+            delta_gnmr: np.ndarray, norm: Optional[np.ndarray] = None):
     if not self.enabled:
       return
     row = {"step": step, "mask": np.asarray(mask, bool).astype(int).tolist(),
            "score": np.round(np.nan_to_num(score, posinf=1e30), 5).tolist(),
            "gnmr": np.round(np.nan_to_num(gnmr, posinf=1e30), 5).tolist(),
            "delta_gnmr": np.round(np.nan_to_num(delta_gnmr, posinf=1e30), 5).tolist()}
+    if norm is not None:  # per-unit gradient norms (float32 values, 7 significant digits)
+      row["norm"] = [float(f"{v:.7g}") for v in np.nan_to_num(norm, posinf=1e30, neginf=-1e30)]
     self._units.write(json.dumps(row) + "\n")
     self._units.flush()
+
+  def recovery_gap(self, step: int, gap: np.ndarray, rec_norm: np.ndarray, mask_used: np.ndarray,
+                   max_o: int):
+    """One measured step of the recovery-gap instrument (gnmr_jax/recovery_gap.py)."""
+    if not self.enabled:
+      return
+    from gnmr_jax.recovery_gap import summarize  # pylint: disable=g-import-not-at-top
+    gap = np.nan_to_num(np.asarray(gap, np.float64), nan=0.0, posinf=1e30)
+    rec_norm = np.asarray(rec_norm, np.float64)
+    rel = np.where(rec_norm > 0, gap / np.where(rec_norm > 0, rec_norm, 1.0),
+                   np.where(gap > 0, 1e30, 0.0))
+    row = {"step": step, "gap": [float(f"{v:.7g}") for v in gap],
+           "gap_rel": [float(f"{v:.7g}") for v in rel],
+           "mask": np.asarray(mask_used, bool).astype(int).tolist(),
+           **summarize(gap, mask_used, max_o)}
+    self._gap.write(json.dumps(row) + "\n")
+    self._gap.flush()
 
   def summary(self, summary: dict):
     if not self.enabled:
@@ -118,7 +139,7 @@ class MetricsLogger:
       self._bar.close()
     if self._tb is not None:
       self._tb.close()
-    for f in (self._metrics, self._eval, self._units):
+    for f in (self._metrics, self._eval, self._units, self._gap):
       f.close()
 
 

@@ -10,7 +10,7 @@ import ml_collections
 import optax
 
 from gnmr_jax import units as units_lib
-from gnmr_jax.controller import gnmr
+from gnmr_jax.selection import prioritized
 
 
 def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -21,10 +21,15 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> 
       end_value=opt.learning_rate * opt.min_lr_ratio)
 
 
-def controller_from_config(g: ml_collections.ConfigDict) -> optax.GradientTransformationExtraArgs:
-  """gnmr_jax.gnmr(...) with the fields of config.gnmr."""
-  return gnmr(alpha=g.alpha, beta=g.beta, delta=g.delta, max_o=g.max_o, t_lock=g.t_lock,
-              warmup=g.warmup, units=g.units or None, layer_axis=g.layer_axis or None)
+def controller_from_config(g: ml_collections.ConfigDict,
+                           seed: int = 0) -> optax.GradientTransformationExtraArgs:
+  """The controller of config.gnmr: gnmr_jax.gnmr(...) for priority 'gnmr' (the paper's rule),
+  else gnmr_jax.selection.prioritized(priority, ...) with the same budget, lock and warmup.
+  `seed` seeds priority='random'."""
+  return prioritized(g.get("priority", "gnmr"), alpha=g.alpha, beta=g.beta, delta=g.delta,
+                     max_o=g.max_o, t_lock=g.t_lock, warmup=g.warmup, units=g.units or None,
+                     layer_axis=g.layer_axis or None, gap_decay=g.get("gap_decay", 0.0),
+                     seed=seed)
 
 
 class ZeroNonfiniteState(NamedTuple):
@@ -83,7 +88,8 @@ def zero_nonfinite_units(inner: optax.GradientTransformation, units=None,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(config: ml_collections.ConfigDict,
+                   pre_update=()) -> optax.GradientTransformation:
   """optax.chain(gnmr, apply_if_finite(chain(clip, adamw))) from config.
 
   The controller comes first so it sees raw gradients, including non-finite
@@ -91,12 +97,15 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   guard then skips the parameter update of a non-finite step, so NaN/Inf never
   reaches the parameters. With nonfinite='zero' the guard is
   :func:`zero_nonfinite_units` instead: only the non-finite units' updates are zeroed.
+  `pre_update` transforms (e.g. gnmr_jax.baselines.zclip()) run inside the guard, after the
+  global clip and before AdamW.
   """
   opt = config.optimizer
   schedule = learning_rate_schedule(opt, config.train.steps)
   inner = []
   if opt.grad_clip > 0:
     inner.append(optax.clip_by_global_norm(opt.grad_clip))
+  inner.extend(pre_update)
   inner.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
                            weight_decay=opt.weight_decay))
   update = optax.chain(*inner)
@@ -105,5 +114,5 @@ def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransform
   elif opt.nonfinite == "zero":
     update = zero_nonfinite_units(update, config.gnmr.units or None,
                                   config.gnmr.layer_axis or None)
-  parts = [controller_from_config(config.gnmr)] if config.gnmr.enabled else []
+  parts = [controller_from_config(config.gnmr, config.train.seed)] if config.gnmr.enabled else []
   return optax.chain(*parts, update)

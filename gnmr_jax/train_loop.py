@@ -24,7 +24,7 @@ import numpy as np
 import optax
 import flax.linen as nn
 
-from gnmr_jax import checkpointing, metrics_log, sharding
+from gnmr_jax import checkpointing, metrics_log, recovery_gap, sharding
 from gnmr_jax import faults as faults_lib
 from gnmr_jax.config import validate_config
 from gnmr_jax.controller import GNMRState, controller_state
@@ -79,7 +79,8 @@ def _unit_layout(unit_regex, layer_regex, params) -> list:
                                  units_lib.compile_selector(layer_regex or None, "layer_axis"))
 
 
-def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, injector=None):
+def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, injector=None,
+                     gap_model=None, gap_every: int = 0, unit_selectors=(None, None)):
   def select(tree):
     leaves = [l for l, keep in zip(jax.tree_util.tree_leaves(tree), unit_flags) if keep]
     return jnp.concatenate([jnp.ravel(l) for l in leaves]) if leaves else jnp.zeros((0,))
@@ -106,7 +107,24 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, inject
     (loss, dropped), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     if injector is not None:
       grads = injector.corrupt_grads(grads, step_number)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    extra = {}
+    if gap_every:
+      units, layer_axis = unit_selectors
+
+      def measure(_):
+        def recovery_loss(params):
+          logits = gap_model.apply({"params": params}, batch["inputs"])
+          return cross_entropy(logits, batch["targets"])[0]
+        grads_rec = jax.grad(recovery_loss)(state.params)
+        return recovery_gap.unit_gaps(grads, grads_rec, mask, units=units, layer_axis=layer_axis)
+
+      def skip(_):
+        return recovery_gap.not_measured(state.params, units=units, layer_axis=layer_axis)
+
+      # One extra forward+backward on the measured steps only (1, 1 + K, 1 + 2K, ...).
+      extra["recovery_gap"] = jax.lax.cond((step_number - 1) % gap_every == 0, measure, skip,
+                                           None)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
     metrics = {"loss": loss, "grad_norm": grad_norm,
@@ -124,7 +142,11 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, inject
                      # Recovery mask used by *this* step, and the per-unit scores it produced.
                      unit_mask_used=select(ctl.mask), unit_mask_next=select(new_ctl.mask),
                      unit_score=select(new_ctl.score), unit_gnmr=select(new_ctl.gnmr),
-                     unit_delta_gnmr=select(new_ctl.delta_gnmr))
+                     unit_delta_gnmr=select(new_ctl.delta_gnmr), unit_norm=select(new_ctl.norm))
+    if gap_every:
+      gap = extra["recovery_gap"]
+      metrics.update(gap_measured=(step_number - 1) % gap_every == 0,
+                     unit_gap=select(gap.gap), unit_gap_rec_norm=select(gap.rec_norm))
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            rng=state.rng)
     return new_state, metrics
@@ -203,6 +225,10 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
       step=replicated, params=param_sh,
       opt_state=_opt_state_shardings(abstract.opt_state, abstract.params, param_sh, replicated),
       rng=replicated)
+  gap_every = config.diagnostics.recovery_gap_every if "diagnostics" in config else 0
+  gap_model = None
+  if gap_every:  # the same params, every projection on the recovery path
+    gap_model = Transformer(model_config, recovery_gap.recovery_policy(config.precision))
   unit_flags = []
   unit_names = []
   layout = _unit_layout(config.gnmr.units, config.gnmr.layer_axis, abstract.params)
@@ -220,7 +246,11 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
       offset += size
   schedule = learning_rate_schedule(config.optimizer, config.train.steps)
   batch_sh = sharding.batch_sharding(mesh)
-  train_step = jax.jit(_make_train_step(model, tx, policy.routed, unit_flags, schedule, injector),
+  step_fn = _make_train_step(model, tx, policy.routed, unit_flags, schedule, injector,
+                             gap_model=gap_model, gap_every=gap_every,
+                             unit_selectors=(config.gnmr.units or None,
+                                             config.gnmr.layer_axis or None))
+  train_step = jax.jit(step_fn,
                        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                        donate_argnums=0)
   eval_step = jax.jit(_make_eval_step(model, policy.routed), in_shardings=(state_sh, batch_sh),
@@ -275,7 +305,8 @@ class _Preemption:
 def _truncate_logs(workdir: str, start: int) -> None:
   """Drops JSONL rows after the step a run resumes from (a killed run logged steps past its last
   checkpoint, possibly a half-written line), so the logs read as one uninterrupted run."""
-  for name in (metrics_log.METRICS_FILE, metrics_log.EVAL_FILE, metrics_log.UNITS_FILE):
+  for name in (metrics_log.METRICS_FILE, metrics_log.EVAL_FILE, metrics_log.UNITS_FILE,
+               metrics_log.GAP_FILE):
     path = os.path.join(workdir, name)
     if not os.path.exists(path):
       continue
@@ -374,7 +405,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     every = config.logging.unit_log_every
     if every and "unit_mask_used" in host and (step % every == 0 or step == total):
       log.units(step, host["unit_mask_used"], host["unit_score"], host["unit_gnmr"],
-                host["unit_delta_gnmr"])
+                host["unit_delta_gnmr"], host["unit_norm"])
+    if "gap_measured" in host and bool(host["gap_measured"]):
+      log.recovery_gap(step, host["unit_gap"], host["unit_gap_rec_norm"],
+                       host["unit_mask_used"], config.gnmr.max_o)
     log.advance(step)
     return host
 

@@ -1,0 +1,185 @@
+"""The recovery-gap instrument: how far each unit's low-cost gradient is from its recovery one.
+
+For unit u at step t, with the gradients of the same params and batch computed twice,
+once as the step trains (g_used: the units outside the recovery mask on the low-cost
+path) and once with every unit on the recovery path (g_rec):
+
+  e_u     = ||g_used,u - g_rec,u||_F       (the recovery gap)
+  e_rel_u = e_u / ||g_rec,u||_F            (0/0 = 0, x/0 = +inf)
+
+What it measures depends on the regime:
+  * Only the weight gradient differs (saved activations quantized for the backward
+    only, ``saved_activation_forward=False``): the upstream gradients are the same on
+    both passes, so e_u is exactly the error of unit u's own low-cost path.
+  * The forward differs too (int8/fp8 operands, ``saved_activation_forward=True``,
+    blockwise): the loss and the upstream gradients change, so e_u is the total effect
+    on u of *every* unit's low-cost path (recovering u alone does not remove all of it).
+  * A unit that ran the recovery path on the measured step (in the mask) shows its
+    residual gap only; such units are marked not ``valid``, and controllers keep their
+    previous estimate for them.
+
+Cost: one extra forward + backward (every unit on the recovery path) per measured
+step, so about 1/K of a step's cost when measured every K steps.
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from gnmr_jax import recovery_gap
+  >>> used = {'w': jnp.array([[3.0, 0.0], [0.0, 0.0]]), 'b': jnp.ones(2)}
+  >>> rec = {'w': jnp.zeros((2, 2)), 'b': jnp.ones(2)}
+  >>> gap = recovery_gap.unit_gaps(used, rec)
+  >>> float(gap.gap['w']), bool(gap.valid['w']), bool(gap.valid['b'])
+  (3.0, True, False)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gnmr_jax import controller as controller_lib
+from gnmr_jax import units as units_lib
+
+
+class RecoveryGap(NamedTuple):
+  """Per-unit trees shaped like the recovery mask (leaf () or (L,); non-units scalar 0/False)."""
+  gap: Any        # float32: e_u = ||g_used,u - g_rec,u||
+  rec_norm: Any   # float32: ||g_rec,u||
+  valid: Any      # bool: measured on this step and u ran the low-cost path
+
+
+def _layout(tree, units, layer_axis):
+  return units_lib.resolve_units(tree, units_lib.compile_selector(units, "units"),
+                                 units_lib.compile_selector(layer_axis, "layer_axis"))
+
+
+def _per_unit(vectors, layout, treedef, dtype):
+  vec = jnp.concatenate([jnp.reshape(v, (-1,)) for v in vectors]) if vectors else jnp.zeros((0,))
+  return controller_lib._unflat(vec, layout, treedef, dtype)  # pylint: disable=protected-access
+
+
+def unit_gaps(grads_used, grads_rec, mask_used=None, *, units=None, layer_axis=None,
+              measured: Any = True) -> RecoveryGap:
+  """e_u, ||g_rec,u|| and validity per unit from two gradient trees of the same params.
+
+  Args:
+    grads_used: gradients as the step computed them (mask units recovered).
+    grads_rec: gradients with every unit on the recovery path.
+    mask_used: the recovery mask of the step (bool tree like the controller's), or None
+      when every unit ran the low-cost path (static mode).
+    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
+    measured: bool scalar; False marks every unit not valid (a step that did not measure).
+
+  Returns:
+    A :class:`RecoveryGap`.
+  """
+  layout = _layout(grads_used, units, layer_axis)
+  leaves_used, treedef = jax.tree_util.tree_flatten(grads_used)
+  leaves_rec = treedef.flatten_up_to(grads_rec)
+  diff = [jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32)
+          for a, b in zip(leaves_used, leaves_rec)]
+  gap = _per_unit(units_lib.unit_norms(diff, layout), layout, treedef, jnp.float32)
+  rec_norm = _per_unit(units_lib.unit_norms(leaves_rec, layout), layout, treedef, jnp.float32)
+  measured = jnp.asarray(measured, jnp.bool_)
+  if mask_used is None:
+    ran_low = jax.tree_util.tree_map(lambda g: jnp.ones(jnp.shape(g), jnp.bool_), gap)
+  else:
+    ran_low = jax.tree_util.tree_map(lambda m: ~jnp.asarray(m, jnp.bool_), mask_used)
+  is_unit = [u.is_unit for u in layout]
+  valid_leaves = [jnp.logical_and(measured, r) if keep else jnp.zeros((), jnp.bool_)
+                  for r, keep in zip(jax.tree_util.tree_leaves(ran_low), is_unit)]
+  return RecoveryGap(gap=gap, rec_norm=rec_norm,
+                     valid=jax.tree_util.tree_unflatten(treedef, valid_leaves))
+
+
+def not_measured(params, *, units=None, layer_axis=None) -> RecoveryGap:
+  """A RecoveryGap of zeros with nothing valid: what a step that does not measure passes."""
+  layout = _layout(params, units, layer_axis)
+  treedef = jax.tree_util.tree_structure(params)
+  zeros = [jnp.zeros((u.num_units,), jnp.float32) for u in layout if u.is_unit]
+  return RecoveryGap(gap=_per_unit(zeros, layout, treedef, jnp.float32),
+                     rec_norm=_per_unit(zeros, layout, treedef, jnp.float32),
+                     valid=_per_unit(zeros, layout, treedef, jnp.bool_))
+
+
+def all_recovered_mask(params, *, units=None, layer_axis=None):
+  """A recovery mask (bool tree like the controller's) with every unit True."""
+  layout = _layout(params, units, layer_axis)
+  treedef = jax.tree_util.tree_structure(params)
+  ones = [jnp.ones((u.num_units,), jnp.bool_) for u in layout if u.is_unit]
+  return _per_unit(ones, layout, treedef, jnp.bool_)
+
+
+def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *,
+            units=None, layer_axis=None) -> RecoveryGap:
+  """The recovery gap of a user's model on one batch.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch, recovery_mask) -> scalar loss`` of a model whose
+      units are routed by ``recovery_mask`` (e.g. ``policy.dot_general(mask[...])``
+      with a policy in mode 'gnmr' and per-unit residual storage: every unit is
+      recovered on the second pass). ``recovery_mask=None`` must mean "every unit
+      on the low-cost path".
+    params: the params.
+    batch: the batch.
+    mask_used: the step's recovery mask (None: every unit low-cost).
+    grads_used: the step's gradients if already computed (else computed here).
+    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
+
+  Returns:
+    A :class:`RecoveryGap`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from gnmr_jax import recovery_gap
+    >>> from gnmr_jax.precision import make_policy, default_precision_config
+    >>> policy = make_policy(default_precision_config(), max_recovered=None)  # int8 / bf16
+    >>> def loss_fn(params, x, mask):
+    ...   bit = None if mask is None else mask['w']
+    ...   return jnp.sum(policy.dot(x, params['w'], bit) ** 2)
+    >>> x = jax.random.normal(jax.random.key(0), (8, 16))
+    >>> params = {'w': jax.random.normal(jax.random.key(1), (16, 4))}
+    >>> gap = recovery_gap.measure(loss_fn, params, x)
+    >>> 0.0 < float(gap.gap['w']) < 0.1 * float(gap.rec_norm['w'])
+    True
+  """
+  if grads_used is None:
+    grads_used = jax.grad(loss_fn)(params, batch, mask_used)
+  everything = all_recovered_mask(params, units=units, layer_axis=layer_axis)
+  grads_rec = jax.grad(loss_fn)(params, batch, everything)
+  return unit_gaps(grads_used, grads_rec, mask_used, units=units, layer_axis=layer_axis)
+
+
+def recovery_policy(precision_config):
+  """A static policy that runs every unit on the configured *recovery* path (no conds).
+
+  The train loop computes g_rec with it: the same numerics as a routed policy with
+  every bit True, without a cond per unit or a side buffer sized for max_o units.
+  """
+  from gnmr_jax.precision import policy as policy_lib, registry  # pylint: disable=g-import-not-at-top
+  policy_lib.make_policy(precision_config)  # validates every field
+  name = precision_config.recovery_path
+  path = registry.get_path(name)(precision_config, "recovery")
+  return policy_lib.PrecisionPolicy(routed=False, low_cost=path, recovery=path,
+                                    low_cost_path=name, recovery_path=name)
+
+
+def summarize(gap: np.ndarray, mask_used: Optional[np.ndarray], max_o: int) -> dict:
+  """Concentration and coverage of one measured step (flat per-unit NumPy vectors).
+
+  concentration: share of sum_u e_u held by the top max_o units by e_u.
+  coverage: share of the top max_o units' gap that the mask used at that step covers,
+    sum_{u in mask and top} e_u / sum_{u in top} e_u (meaningful where the mask did not
+    change the gradients, i.e. in static mode, where the controller only measures).
+  """
+  gap = np.asarray(gap, np.float64)
+  total = float(gap.sum())
+  top = np.argsort(-gap, kind="stable")[:max_o]
+  top_sum = float(gap[top].sum())
+  out = {"concentration": top_sum / total if total > 0 else 0.0}
+  if mask_used is not None:
+    in_mask = np.asarray(mask_used, bool)
+    out["coverage"] = float(gap[top][in_mask[top]].sum()) / top_sum if top_sum > 0 else 0.0
+  return out

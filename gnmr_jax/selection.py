@@ -1,0 +1,199 @@
+"""Budgeted controllers that rank units by other signals than the paper's GNMR score.
+
+:func:`gnmr_jax.gnmr` is the paper's rule and stays exactly that. This module keeps
+its budget (``max_o`` units per step), its warmup and a lock, but ranks the units
+by one of these priorities:
+
+  'gnmr'    the paper's rule (returns :func:`gnmr_jax.gnmr` itself).
+  'norm'    the raw gradient-norm level ||g_u(t)||: the units with the largest
+            gradients run the recovery path at t + 1. Free: the controller
+            computes the norms anyway.
+  'gap'     a measured recovery gap e_u = ||g_low,u - g_rec,u||, passed in by the
+            train step every K steps (``recovery_gap=`` extra argument, a
+            :class:`gnmr_jax.recovery_gap.RecoveryGap`); each unit keeps the
+            estimate est <- gap_decay * est + (1 - gap_decay) * e_u (the first
+            measurement is taken as is), updated only where the measurement is
+            valid (the unit ran the low-cost path on the measured step).
+  'oracle'  'gap' with ``gap_decay=0``: the last measurement alone. Measured at
+            every step it is the lagged oracle (top-max_o by e_u(t), used at
+            t + 1), a baseline rather than a deployable controller.
+  'hybrid'  GNMR's transient risk wins the budget first (units over alpha_t or
+            beta_t, ranked by the paper's score r), the norm level fills it.
+  'random'  max_o units drawn uniformly at random (the same-budget baseline).
+
+Rules shared by every priority except 'gnmr', for the mask of step t + 1:
+
+  tier     = 3 if n_t is not finite; 'hybrid' only: 2 if risky by the paper's rule
+             (then ranked by the paper's score r); 1 if lock > 0; else 0
+  mask     = the max_o units first by tier, then by priority (ties: tree order)
+  lock     = t_lock for a unit that enters the mask (not in the mask of step t),
+             lock - 1 for a locked unit, else 0
+
+so a unit that enters the mask stays in it for at least t_lock + 1 steps (unless
+non-finite units take its place), the active set does not thrash between units of
+nearly equal priority, and a non-finite gradient is recovered at once. Every unit
+is a candidate (these priorities are persistent signals, not alarms), so the mask
+holds min(max_o, N) units every step after warmup.
+
+The state is a :class:`PriorityState` holding a :class:`gnmr_jax.GNMRState` (the
+paper's statistics, computed as by ``gnmr(max_o=0)`` for telemetry and for the
+hybrid's transient risk) whose ``mask``, ``lock`` and budget counts are this
+controller's, so :func:`gnmr_jax.recovery_mask` and the train loop read it unchanged.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gnmr_jax import controller as controller_lib
+from gnmr_jax import units as units_lib
+
+PRIORITIES = ("gnmr", "norm", "gap", "oracle", "hybrid", "random")
+# Priorities that need a measured recovery gap from the train step.
+GAP_PRIORITIES = ("gap", "oracle")
+
+
+class PriorityState(NamedTuple):
+  """State of :func:`prioritized` (per-unit leaves mirror the params like GNMRState's)."""
+  controller: controller_lib.GNMRState  # paper statistics; mask/lock/budget counts are ours
+  gap: Any          # float32: recovery-gap estimate per unit (0 before the first measurement)
+  gap_count: Any    # int32: valid measurements folded into `gap`
+
+
+def _check_decay(value):
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+    raise ValueError(f"prioritized: `gap_decay` must be a float in [0, 1), got {value!r}.")
+
+
+def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alpha=2.0,
+                beta=1.5, delta: int = 8, units=None, layer_axis=None, gap_decay: float = 0.0,
+                seed: int = 0) -> optax.GradientTransformationExtraArgs:
+  """A budgeted recovery controller ranking units by ``priority`` (module docstring).
+
+  Args:
+    priority: one of :data:`PRIORITIES`.
+    max_o: units recovered per step (>= 0; capped at the number of units).
+    t_lock: steps a unit that enters the mask stays locked in (>= 0).
+    warmup: first steps with an empty mask (>= 0).
+    alpha, beta, delta: the paper's thresholds and window, for the GNMR statistics
+      kept in the state (telemetry) and the hybrid's transient risk.
+    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
+    gap_decay: 'gap' only: weight of the old estimate at each measurement, in [0, 1).
+    seed: 'random' only: seed of the draws.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` passing updates through; its
+    ``update`` takes an optional ``recovery_gap=`` (a RecoveryGap) extra argument.
+    For 'gnmr', :func:`gnmr_jax.gnmr` itself (which ignores ``recovery_gap``).
+
+  Raises:
+    ValueError: an unknown priority or an invalid argument, before any tracing.
+
+  Example:
+    The two units with the largest gradients are recovered at the next step:
+
+    >>> import jax.numpy as jnp, gnmr_jax
+    >>> from gnmr_jax import selection
+    >>> tx = selection.prioritized('norm', max_o=2, t_lock=0)
+    >>> params = {'a': jnp.ones((2, 2)), 'b': jnp.ones((2, 2)), 'c': jnp.ones((2, 2))}
+    >>> grads = {'a': 3 * jnp.ones((2, 2)), 'b': jnp.ones((2, 2)), 'c': 2 * jnp.ones((2, 2))}
+    >>> _, state = tx.update(grads, tx.init(params), params)
+    >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
+    {'a': True, 'b': False, 'c': True}
+  """
+  if priority not in PRIORITIES:
+    raise ValueError(f"prioritized: `priority` must be one of {PRIORITIES}, got {priority!r}.")
+  if priority == "gnmr":
+    return controller_lib.gnmr(alpha=alpha, beta=beta, delta=delta, max_o=max_o, t_lock=t_lock,
+                               warmup=warmup, units=units, layer_axis=layer_axis)
+  controller_lib._check_int("max_o", max_o, 0)  # pylint: disable=protected-access
+  controller_lib._check_int("t_lock", t_lock, 0)  # pylint: disable=protected-access
+  controller_lib._check_int("seed", seed, 0)  # pylint: disable=protected-access
+  _check_decay(gap_decay)
+  if priority == "oracle":
+    gap_decay = 0.0
+  # The paper's statistics without its selection (max_o=0 never selects or locks).
+  inner = controller_lib.gnmr(alpha=alpha, beta=beta, delta=delta, max_o=0, t_lock=0,
+                              warmup=warmup, units=units, layer_axis=layer_axis)
+  unit_selector = units_lib.compile_selector(units, "units")
+  axis_selector = units_lib.compile_selector(layer_axis, "layer_axis")
+  flat, unflat = controller_lib._flat, controller_lib._unflat  # pylint: disable=protected-access
+
+  def init_fn(params):
+    ctl = inner.init(params)
+    return PriorityState(controller=ctl,
+                         gap=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm),
+                         gap_count=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm_count))
+
+  def update_fn(updates, state, params=None, recovery_gap=None, **extra_args):
+    updates, ctl = inner.update(updates, state.controller, params, **extra_args)
+    layout = units_lib.resolve_units(updates, unit_selector, axis_selector)
+    num_units = sum(u.num_units for u in layout)
+    if num_units == 0:
+      return updates, state._replace(controller=ctl)
+    treedef = jax.tree_util.tree_structure(updates)
+    step = ctl.count
+    norm = flat(ctl.norm, layout)
+    prev_mask = flat(state.controller.mask, layout)
+    lock = flat(state.controller.lock, layout)
+    gap, gap_count = flat(state.gap, layout), flat(state.gap_count, layout)
+
+    if recovery_gap is not None:
+      measured = flat(recovery_gap.gap, layout).astype(jnp.float32)
+      valid = flat(recovery_gap.valid, layout) & jnp.isfinite(measured)
+      blended = jnp.where(gap_count > 0, gap_decay * gap + (1 - gap_decay) * measured, measured)
+      gap = jnp.where(valid, blended, gap)
+      gap_count = gap_count + valid.astype(jnp.int32)
+
+    finite = jnp.isfinite(norm)
+    tier = jnp.where(lock > 0, 1, 0)
+    if priority in ("norm", "hybrid"):
+      value = jnp.where(finite, norm, 0.0)
+    elif priority in GAP_PRIORITIES:
+      value = gap
+    else:  # random: the first max_o units of a fresh permutation get the top values
+      order = jax.random.permutation(jax.random.fold_in(jax.random.key(seed), step), num_units)
+      value = jnp.zeros((num_units,), jnp.float32).at[order].set(
+          jnp.arange(num_units, 0, -1, dtype=jnp.float32))
+    if priority == "hybrid":  # transient risk outranks locks and is ranked by the paper's score
+      risky = flat(ctl.risky, layout)
+      tier = jnp.where(risky, 2, tier)
+      value = jnp.where(risky, flat(ctl.score, layout), value)
+    tier = jnp.where(finite, tier, 3)
+    # lexsort: the last key is the primary one; it is stable, so ties keep tree order.
+    order = jnp.lexsort((-value, -tier))
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(num_units, dtype=order.dtype))
+    selected = (rank < max_o) & (step > warmup)
+    new_lock = jnp.where(selected & ~prev_mask, t_lock,
+                         jnp.where(lock > 0, lock - 1, 0)).astype(jnp.int32)
+
+    num_active = jnp.sum(selected, dtype=jnp.int32)
+    tel = ctl.telemetry  # num_risky / num_candidates stay the paper's (alarm) counts
+    telemetry = tel._replace(
+        num_active=num_active,
+        num_locked=jnp.sum(new_lock > 0, dtype=jnp.int32),
+        active_unit_steps=state.controller.telemetry.active_unit_steps + num_active)
+    ctl = ctl._replace(mask=unflat(selected, layout, treedef, jnp.bool_),
+                       lock=unflat(new_lock, layout, treedef, jnp.int32), telemetry=telemetry)
+    return updates, PriorityState(controller=ctl,
+                                  gap=unflat(gap, layout, treedef, jnp.float32),
+                                  gap_count=unflat(gap_count, layout, treedef, jnp.int32))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def needs_recovery_gap(priority: str) -> bool:
+  """Whether a priority ranks by a measured recovery gap (the train step must measure it)."""
+  return priority in GAP_PRIORITIES
+
+
+def gap_estimate(opt_state) -> Optional[Any]:
+  """The recovery-gap estimate tree of the PriorityState inside ``opt_state`` (None if none)."""
+  found = [x for x in jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, PriorityState)) if isinstance(x, PriorityState)]
+  return found[0].gap if len(found) == 1 else None

@@ -1,0 +1,237 @@
+"""gnmr_jax.selection: budgeted priorities against a NumPy reference of the rules, the gap estimate,
+the hybrid's precedence, jit/sharding/orbax, and the config mapping."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gnmr_jax
+from gnmr_jax import optim, recovery_gap, selection
+from gnmr_jax.config import base_config, validate_config
+
+N = 6  # units: slices of one layer-stacked leaf, so unit u's norm is |row[u]| exactly
+
+
+def _reference(priority, norms, gaps, valid, *, max_o, t_lock, warmup, gap_decay=0.0,
+               risky=None, score=None):
+  """The selection rules of gnmr_jax/selection.py, written again in NumPy (float64 signals)."""
+  n = norms.shape[1]
+  mask, lock = np.zeros(n, bool), np.zeros(n, int)
+  est, est_count = np.zeros(n), np.zeros(n, int)
+  masks = []
+  for t in range(len(norms)):
+    step = t + 1
+    ok = valid[t] & np.isfinite(gaps[t])
+    blended = np.where(est_count > 0, gap_decay * est + (1 - gap_decay) * gaps[t], gaps[t])
+    est = np.where(ok, blended, est)
+    est_count += ok
+    finite = np.isfinite(norms[t])
+    value = {"norm": np.where(finite, norms[t], 0.0), "gap": est, "hybrid":
+             np.where(finite, norms[t], 0.0)}[priority]
+    tier = np.where(lock > 0, 1, 0)
+    if priority == "hybrid":
+      tier = np.where(risky[t], 2, tier)
+      value = np.where(risky[t], score[t], value)
+    tier = np.where(finite, tier, 3)
+    order = sorted(range(n), key=lambda u: (-tier[u], -value[u], u))
+    selected = np.zeros(n, bool)
+    if step > warmup:
+      selected[order[:max_o]] = True
+    lock = np.where(selected & ~mask, t_lock, np.where(lock > 0, lock - 1, 0))
+    mask = selected
+    masks.append(mask.copy())
+  return np.array(masks)
+
+
+def _run(tx, norms, gaps=None, valid=None):
+  params = {"u": jnp.zeros((N, 1), jnp.float32)}
+
+  @jax.jit
+  def step(state, norm, gap, ok):
+    rg = recovery_gap.RecoveryGap({"u": gap}, {"u": gap}, {"u": ok})
+    return tx.update({"u": norm[:, None]}, state, params, recovery_gap=rg)[1]
+
+  state, states = tx.init(params), []
+  for t in range(len(norms)):
+    g = np.zeros(N, np.float32) if gaps is None else gaps[t]
+    ok = np.zeros(N, bool) if valid is None else valid[t]
+    state = step(state, jnp.asarray(norms[t]), jnp.asarray(g), jnp.asarray(ok))
+    states.append(state)
+  return states
+
+
+def _norms(steps, seed, nonfinite=True):
+  rng = np.random.default_rng(seed)
+  norms = (rng.lognormal(0, 1, size=(steps, N)) * np.arange(1, N + 1)).astype(np.float32)
+  norms[rng.random(norms.shape) < 0.1] = 2.0  # exact ties
+  if nonfinite:
+    norms[7, 2], norms[12, 4] = np.nan, np.inf
+  return norms
+
+
+@pytest.mark.parametrize("max_o,t_lock,warmup", [(2, 3, 4), (1, 0, 0), (3, 1, 2), (7, 2, 0)])
+def test_norm_priority_matches_the_numpy_reference(max_o, t_lock, warmup):
+  norms = _norms(30, seed=max_o + t_lock)
+  tx = selection.prioritized("norm", max_o=max_o, t_lock=t_lock, warmup=warmup, layer_axis="u")
+  states = _run(tx, norms)
+  want = _reference("norm", norms.astype(np.float64), np.zeros_like(norms, np.float64),
+                    np.zeros(norms.shape, bool), max_o=max_o, t_lock=t_lock, warmup=warmup)
+  got = np.array([np.asarray(gnmr_jax.recovery_mask(s)["u"]) for s in states])
+  np.testing.assert_array_equal(got, want)  # a selection: exact
+  # The budget and its accounting: min(max_o, N) units every step after warmup.
+  assert all(int(m.sum()) == (min(max_o, N) if t + 1 > warmup else 0) for t, m in enumerate(got))
+  tel = gnmr_jax.controller_state(states[-1]).telemetry
+  assert int(tel.active_unit_steps) == int(got.sum())
+  # A non-finite norm is recovered at the next step, whatever the locks.
+  assert got[7, 2] and got[12, 4] if max_o and warmup < 8 else True
+
+
+def test_lock_keeps_an_entering_unit_for_t_lock_plus_one_steps():
+  t_lock = 3
+  norms = np.ones((12, N), np.float32)
+  norms[:, 0] = 5.0
+  norms[4, 5] = 9.0   # unit 5 leads at step 5 only; unit 0 leads otherwise
+  tx = selection.prioritized("norm", max_o=1, t_lock=t_lock, layer_axis="u")
+  got = np.array([np.asarray(gnmr_jax.recovery_mask(s)["u"]) for s in _run(tx, norms)])
+  np.testing.assert_array_equal(np.flatnonzero(got[:, 5]), np.arange(4, 4 + t_lock + 1))
+  assert got[4 + t_lock + 1, 0]  # back to the largest once the lock has run out
+
+
+def test_gap_estimate_blends_valid_measurements_only_and_oracle_keeps_the_last():
+  rng = np.random.default_rng(3)
+  steps = 25
+  norms = np.ones((steps, N), np.float32)
+  gaps = rng.lognormal(0, 1, size=(steps, N)).astype(np.float32)
+  gaps[5, 1] = np.nan  # a non-finite measurement is ignored
+  valid = rng.random((steps, N)) < 0.5
+  valid[0] = False  # nothing measured yet at step 1: ties, tree order
+  for priority, decay in (("gap", 0.7), ("oracle", 0.7), ("gap", 0.0)):
+    tx = selection.prioritized(priority, max_o=2, t_lock=1, layer_axis="u", gap_decay=decay)
+    states = _run(tx, norms, gaps, valid)
+    eff = 0.0 if priority == "oracle" else decay
+    want = _reference("gap", norms.astype(np.float64), gaps.astype(np.float64), valid, max_o=2,
+                      t_lock=1, warmup=0, gap_decay=eff)
+    got = np.array([np.asarray(gnmr_jax.recovery_mask(s)["u"]) for s in states])
+    np.testing.assert_array_equal(got, want)
+    # The estimate itself: float32 blend of float32 values vs the float64 reference, a few
+    # roundings of values <= max(gap): 4 eps relative.
+    est, count = np.zeros(N), np.zeros(N, int)
+    for t in range(steps):
+      ok = valid[t] & np.isfinite(gaps[t])
+      est = np.where(ok, np.where(count > 0, eff * est + (1 - eff) * gaps[t], gaps[t]), est)
+      count += ok
+    np.testing.assert_allclose(np.asarray(states[-1].gap["u"]), est,
+                               rtol=4 * np.finfo(np.float32).eps)
+    np.testing.assert_array_equal(np.asarray(states[-1].gap_count["u"]), count)
+
+
+def test_hybrid_lets_a_spike_take_the_budget_from_the_persistent_leader():
+  steps = 30
+  norms = np.ones((steps, N), np.float32)
+  norms[:, 0] = 4.0          # persistent leader
+  norms[20, 3] = 40.0        # a x40 spike of a small unit
+  tx = selection.prioritized("hybrid", max_o=1, t_lock=2, warmup=5, alpha=4.0, beta=3.0,
+                             layer_axis="u")
+  states = _run(tx, norms)
+  got = np.array([np.asarray(gnmr_jax.recovery_mask(s)["u"]) for s in states])
+  ctl = [gnmr_jax.controller_state(s) for s in states]
+  risky = np.array([np.asarray(c.risky["u"]) for c in ctl])
+  score = np.array([np.asarray(c.score["u"]) for c in ctl])
+  want = _reference("hybrid", norms.astype(np.float64), np.zeros((steps, N)),
+                    np.zeros((steps, N), bool), max_o=1, t_lock=2, warmup=5, risky=risky,
+                    score=score)
+  np.testing.assert_array_equal(got, want)
+  assert got[20, 3] and not got[20, 0]  # the spike wins at once ...
+  assert got[5:20, 0].all() and got[23:, 0].all()  # ... the leader holds the budget otherwise
+  # The paper's statistics are kept as gnmr(max_o=0) keeps them.
+  ref = gnmr_jax.gnmr(alpha=4.0, beta=3.0, delta=8, max_o=0, t_lock=0, warmup=5, layer_axis="u")
+  ref_states = _run(ref, norms)
+  np.testing.assert_array_equal(np.asarray(ref_states[-1].gnmr["u"]),
+                                np.asarray(ctl[-1].gnmr["u"]))
+
+
+def test_gnmr_priority_is_the_paper_transform_itself():
+  norms = _norms(30, seed=9)
+  kwargs = dict(alpha=1.5, beta=1.3, delta=3, max_o=2, t_lock=2, warmup=3, layer_axis="u")
+  a = _run(selection.prioritized("gnmr", **kwargs), norms)
+  b = _run(gnmr_jax.gnmr(**kwargs), norms)
+  for x, y in zip(a, b):
+    jax.tree.map(lambda p, q: np.testing.assert_array_equal(np.asarray(p), np.asarray(q)), x, y)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"priority": "magic"}, "priority"), ({"priority": "norm", "gap_decay": 1.0}, "gap_decay"),
+    ({"priority": "norm", "max_o": -1}, "max_o"), ({"priority": "gap", "t_lock": 1.5}, "t_lock"),
+    ({"priority": "random", "seed": -2}, "seed")])
+def test_invalid_arguments_raise_naming_them(kwargs, match):
+  args = {"max_o": 1, "t_lock": 0}
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    selection.prioritized(args.pop("priority"), **args)
+
+
+def test_orbax_round_trip_and_sharded_state_continue_bitwise(tmp_path):
+  import orbax.checkpoint as ocp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  norms, rng = _norms(20, seed=4, nonfinite=False), np.random.default_rng(5)
+  gaps = rng.lognormal(size=norms.shape).astype(np.float32)
+  valid = rng.random(norms.shape) < 0.3
+  tx = selection.prioritized("gap", max_o=2, t_lock=2, layer_axis="u", gap_decay=0.5)
+  mid = _run(tx, norms[:10], gaps[:10], valid[:10])[-1]
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "ckpt", mid)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, mid))
+  assert isinstance(restored, selection.PriorityState)
+
+  def cont(state):
+    params = {"u": jnp.zeros((N, 1), jnp.float32)}
+    out = []
+    for t in range(10, 20):
+      rg = recovery_gap.RecoveryGap({"u": gaps[t]}, {"u": gaps[t]}, {"u": valid[t]})
+      state = jax.jit(tx.update)({"u": jnp.asarray(norms[t])[:, None]}, state, params,
+                                 recovery_gap=rg)[1]
+      out.append(state)
+    return out
+
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+  replicated = jax.device_put(mid, NamedSharding(mesh, P()))
+  straight = cont(mid)
+  # Checkpoint round trip and a replicated 8-device state: the same states, bit for bit (the
+  # same float32 program on the same values; only placement differs).
+  for other in (cont(restored), cont(replicated)):
+    for a, b in zip(straight, other):
+      jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), a, b)
+
+
+def test_config_selects_each_priority_and_refuses_a_gap_priority_without_measurements():
+  config = base_config("tiny")
+  for priority in selection.PRIORITIES:
+    config.gnmr.priority = priority
+    config.diagnostics.recovery_gap_every = 10 if priority in selection.GAP_PRIORITIES else 0
+    validate_config(config, 1)
+    tx = optim.make_optimizer(config)
+    state = tx.init({"layers": {"attn": {"q": {"kernel": jnp.zeros((2, 4, 4))}}}})
+    gnmr_jax.controller_state(state)  # exactly one GNMRState, found inside
+    assert (selection.gap_estimate(state) is None) == (priority == "gnmr")
+  config.gnmr.priority = "gap"
+  config.diagnostics.recovery_gap_every = 0
+  with pytest.raises(ValueError, match="recovery_gap_every"):
+    validate_config(config, 1)
+  config.gnmr.priority = "best"
+  with pytest.raises(ValueError, match="config.gnmr.priority"):
+    validate_config(config, 1)
+  config.gnmr.priority, config.gnmr.gap_decay = "norm", 1.5
+  with pytest.raises(ValueError, match="gap_decay"):
+    validate_config(config, 1)
+
+
+def test_prioritized_chains_with_optax_and_passes_updates_through():
+  tx = optax.chain(selection.prioritized("norm", max_o=1, t_lock=0), optax.sgd(1.0))
+  params = {"a": jnp.ones((2, 2)), "b": jnp.ones((3, 3))}
+  grads = {"a": 2 * jnp.ones((2, 2)), "b": jnp.ones((3, 3))}
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  np.testing.assert_array_equal(updates["a"], -grads["a"])
+  assert bool(gnmr_jax.recovery_mask(state)["a"]) and not bool(gnmr_jax.recovery_mask(state)["b"])
