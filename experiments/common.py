@@ -32,7 +32,7 @@ import ml_collections
 import optax
 
 from gnmr_jax import baselines, metrics_log
-from gnmr_jax.optim import controller_from_config, learning_rate_schedule
+from gnmr_jax.optim import make_optimizer
 from gnmr_jax.precision import blockwise, registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,9 +92,15 @@ class Arm:
 
 
 def arm_config(base: ml_collections.ConfigDict, arm: Arm, seed: int) -> ml_collections.ConfigDict:
-  """The base config with the arm's overrides and the seed (params and data order)."""
+  """The base config with the arm's overrides and the seed (params and data order).
+
+  controller='random' selects config.gnmr.priority='random' with t_lock=0 (a fresh draw
+  every step, gnmr_jax.baselines.random_recovery).
+  """
   config = ml_collections.ConfigDict(base.to_dict())
   config.precision.update(arm.precision)
+  if arm.controller == "random":
+    config.gnmr.update(priority="random", t_lock=0)
   config.gnmr.update(arm.gnmr)
   config.optimizer.update(arm.optimizer)
   config.train.seed = seed
@@ -105,31 +111,20 @@ def arm_config(base: ml_collections.ConfigDict, arm: Arm, seed: int) -> ml_colle
 def make_tx_for(arm: Arm, seed: int) -> Callable:
   """`config -> optax chain` for train_and_evaluate(make_tx=...).
 
-  Mirrors gnmr_jax.optim.make_optimizer: chain(controller, apply_if_finite(chain(clip,
-  adamw))), with the arm's controller and clipping; config.optimizer.grad_clip is
-  ignored (the arm's `clip` decides).
+  gnmr_jax.optim.make_optimizer with the arm's clipping: 'none' and 'global' set
+  config.optimizer.grad_clip (0 or the arm's clip_value); 'zclip' and 'adagc' put
+  the gnmr_jax.baselines clip in front of AdamW inside the same guard. The
+  controller is the library's (config.gnmr.priority, seeded by the run's seed).
   """
+  del seed  # the controller's seed is config.train.seed, which arm_config sets
 
   def make_tx(config):
-    opt, g = config.optimizer, config.gnmr
-    schedule = learning_rate_schedule(opt, config.train.steps)
-    inner = []
-    if arm.clip == "global":
-      inner.append(optax.clip_by_global_norm(arm.clip_value))
-    elif arm.clip == "zclip":
-      inner.append(baselines.zclip())
-    elif arm.clip == "adagc":
-      inner.append(baselines.adagc())
-    inner.append(optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps,
-                             weight_decay=opt.weight_decay))
-    update = optax.apply_if_finite(optax.chain(*inner), max_consecutive_errors=2**30)
-    if arm.controller == "random":
-      controller = baselines.random_recovery(
-          g.max_o, seed, units=g.units or None, layer_axis=g.layer_axis or None,
-          warmup=g.warmup, alpha=g.alpha, beta=g.beta, delta=g.delta)
-    else:
-      controller = controller_from_config(g)
-    return optax.chain(controller, update)
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.optimizer.grad_clip = arm.clip_value if arm.clip == "global" else 0.0
+    if arm.clip in ("none", "global"):
+      return make_optimizer(config)
+    clip = baselines.zclip() if arm.clip == "zclip" else baselines.adagc()
+    return make_optimizer(config, pre_update=[clip])
 
   return make_tx
 

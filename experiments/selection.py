@@ -1,0 +1,363 @@
+"""Selection quality and the end-to-end recovery gap of every controller at equal budget.
+
+    python experiments/selection.py --part quality --seeds 3       # the gap and who covers it
+    python experiments/selection.py --part e2e --seeds 5           # losses, all regimes
+    python experiments/selection.py --part e2e --regimes tensor4 --arms norm_max_o2,norm_max_o8
+
+Model and data: the CPU model of scenario 1 (d=128, 4 layers, 28 projection units,
+seq 64, batch 16, lr 3e-3, 200 steps, bytes). Regimes (the low-cost path / the
+recovery path):
+  tensor4  saved activations 4-bit, one scale per tensor, forward too / the same at 8 bits
+  tensor2  the same at 2 bits / 8 bits
+  block4   DeepSeek-V3-style blockwise 4-bit (1x32 tiles, 32x32 blocks) / bf16
+  paper4   the paper's literal stress: 4-bit per-token, weight gradient only / 8 bits
+           (the no-gap control)
+
+Part 'quality': per regime and seed, one static low-cost run measures the recovery
+gap e_u(t) at every step (config.diagnostics.recovery_gap_every=1) and logs every
+unit's gradient norm. Since nothing is recovered in a static run, the trajectory is
+the same whatever the controller chooses, so every controller is replayed on those
+logs (the library's transforms, jitted) and scored at every step t > warmup against
+the oracle top-max_o set by e_u(t): coverage (the share of the top set's gap in the
+mask used at t), precision (|mask and top| / max_o), Spearman between the signal the
+controller ranked by (at t - 1) and e_u(t), and the recovered share; plus the gap's
+concentration (top-max_o share of sum e_u) and stability (Jaccard of consecutive top sets).
+
+Part 'e2e': every controller trains in its own routing (precision.mode='gnmr') at the
+same budget (max_o 4, t_lock 5, warmup 20), plus static low-cost and static recovery;
+validation loss per seed, the paired per-seed share of the static-to-recovery gap
+closed, and the recovered share. Results: experiments/results/selection_cpu.json;
+experiments/report.py writes the RESULTS.md section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import sys
+import time
+
+import ml_collections
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import common  # pylint: disable=g-import-not-at-top
+from experiments import scenario1_saved_activation as scenario1
+from gnmr_jax import metrics_log
+from gnmr_jax.precision import blockwise, registry
+
+SCENARIO = "selection"
+RESULTS = os.path.join(common.RESULTS_DIR, "selection_cpu.json")
+GAP_EVERY = 10      # measurement period of the 'gap' controller (K)
+HINDSIGHT = r"mlp/down"  # the hindsight static set: mlp/down of every layer
+
+if "blockwise4" not in registry.available_paths():
+  registry.register_path("blockwise4", lambda config, role: blockwise.blockwise_path(
+      4, config.block_size))
+
+
+def _sa(bits, scale, forward, mode="static"):
+  return {"mode": mode, "low_cost_path": "saved_activation", "recovery_path": "saved_activation",
+          "saved_activation_bits": bits, "recovery_saved_activation_bits": 8,
+          "saved_activation_scale": scale, "saved_activation_forward": forward}
+
+
+# regime -> (static low-cost, static recovery, routed) precision overrides
+REGIMES = {
+    "tensor4": (_sa(4, "tensor", True), _sa(8, "tensor", True), _sa(4, "tensor", True, "gnmr")),
+    "tensor2": (_sa(2, "tensor", True), _sa(8, "tensor", True), _sa(2, "tensor", True, "gnmr")),
+    "block4": ({"mode": "static", "low_cost_path": "blockwise4", "block_size": 32},
+               {"mode": "static", "low_cost_path": "bf16"},
+               {"mode": "gnmr", "low_cost_path": "blockwise4", "recovery_path": "bf16",
+                "block_size": 32}),
+    "paper4": (_sa(4, "token", False), _sa(8, "token", False), _sa(4, "token", False, "gnmr")),
+}
+# controller -> (config.gnmr overrides, config.diagnostics.recovery_gap_every)
+CONTROLLERS = {
+    "gnmr": ({"priority": "gnmr"}, 0),
+    "random": ({"priority": "random"}, 0),
+    "norm": ({"priority": "norm"}, 0),
+    "gap": ({"priority": "gap"}, GAP_EVERY),
+    # The paper's transient alarm at the thresholds that catch x5 spikes at 0.26% of unit-steps
+    # (THRESHOLDS.md); at the defaults (2, 1.5) it flags 8% of unit-steps and crowds out the fill.
+    "hybrid": ({"priority": "hybrid", "alpha": 4.0, "beta": 3.0}, 0),
+    "oracle": ({"priority": "oracle"}, 1),
+    "hindsight": ({"priority": "norm"}, 0),  # mask replaced by the fixed set (make_tx below)
+}
+STATIC_ARMS = ("static_low", "static_rec")
+MAX_O_SWEEP = (2, 8)
+
+
+def base_config(steps=0):
+  config = scenario1.base("cpu", steps)
+  config.logging.unit_log_every = 0
+  return config
+
+
+def arm_config(regime, arm, seed, steps=0):
+  """(config, hindsight?) of one e2e arm: a static arm or '<controller>[_max_o<k>]'."""
+  low, rec, routed = REGIMES[regime]
+  config = base_config(steps)
+  if arm in STATIC_ARMS:
+    config.precision.update(low if arm == "static_low" else rec)
+  else:
+    name, _, max_o = arm.partition("_max_o")
+    overrides, gap_every = CONTROLLERS[name]
+    config.precision.update(routed)
+    config.gnmr.update(overrides)
+    config.diagnostics.recovery_gap_every = gap_every
+    if max_o:
+      config.gnmr.max_o = int(max_o)
+  config.train.seed = config.data.seed = seed
+  return config
+
+
+def hindsight_tx(config):
+  """The configured chain whose mask is always the hindsight set (every layer's mlp/down)."""
+  import re  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import controller as controller_lib, optim, units  # pylint: disable=g-import-not-at-top
+  tx = optim.make_optimizer(config)
+
+  def fixed(state):
+    ctl = controller_lib.controller_state(state)
+    after_warmup = ctl.count > config.gnmr.warmup  # as every controller's mask
+    mask = jax.tree_util.tree_map_with_path(
+        lambda path, m: jnp.full(jnp.shape(m), re.search(HINDSIGHT, units.path_to_str(path))
+                                 is not None, jnp.bool_) & after_warmup, ctl.mask)
+    num_active = sum(jnp.sum(m, dtype=jnp.int32) for m in jax.tree_util.tree_leaves(mask))
+    tel = ctl.telemetry
+    ctl = ctl._replace(mask=mask, telemetry=tel._replace(
+        num_active=num_active,
+        active_unit_steps=tel.active_unit_steps - tel.num_active + num_active))
+    return _replace_controller(state, ctl)
+
+  def update(updates, state, params=None, **extra):
+    updates, state = tx.update(updates, state, params, **extra)
+    return updates, fixed(state)
+
+  return optax.GradientTransformationExtraArgs(lambda p: fixed(tx.init(p)), update)
+
+
+def _replace_controller(state, ctl):
+  import jax  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.controller import GNMRState  # pylint: disable=g-import-not-at-top
+  return jax.tree_util.tree_map(lambda x: ctl if isinstance(x, GNMRState) else x, state,
+                                is_leaf=lambda x: isinstance(x, GNMRState))
+
+
+def run_dir(part, regime, arm, seed):
+  return common.run_dir(SCENARIO, part, f"{regime}/{arm}", seed)
+
+
+def train(config, workdir, make_tx=None, data=None):
+  from gnmr_jax.train_loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
+  if common._complete(workdir, config.train.steps):  # pylint: disable=protected-access
+    with open(os.path.join(workdir, metrics_log.SUMMARY_FILE), encoding="utf-8") as f:
+      return json.load(f)
+  shutil.rmtree(workdir, ignore_errors=True)
+  return train_and_evaluate(config, workdir, data=data, make_tx=make_tx)
+
+
+# --- part 'quality' --------------------------------------------------------------------------
+
+
+def replay(priority, norms, gaps, measured, g, gap_every):
+  """Masks used at each step 1..T and the ranking signal after each step, for one controller
+  replayed on logged per-unit norms [T, N] and gaps [T, N] (the library transform, jitted)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import recovery_gap, selection  # pylint: disable=g-import-not-at-top
+  num_steps, n = norms.shape
+  tx = selection.prioritized(priority, alpha=g.alpha, beta=g.beta, delta=g.delta, max_o=g.max_o,
+                             t_lock=g.t_lock, warmup=g.warmup, layer_axis=r"^u$",
+                             gap_decay=g.gap_decay, seed=0)
+  params = {"u": jnp.zeros((n, 1), jnp.float32)}
+
+  @jax.jit
+  def step(state, norm, gap, valid):
+    rg = recovery_gap.RecoveryGap({"u": gap}, {"u": gap}, {"u": valid})
+    _, state = tx.update({"u": norm[:, None]}, state, params, recovery_gap=rg)
+    return state
+
+  state = tx.init(params)
+  masks, signals = np.zeros((num_steps, n), bool), np.zeros((num_steps, n))
+  for t in range(num_steps):
+    ctl = state if priority == "gnmr" else state.controller
+    masks[t] = np.asarray(ctl.mask["u"])
+    valid = measured[t] & (((t + 1) - 1) % gap_every == 0) if gap_every else np.zeros(n, bool)
+    state = step(state, jnp.asarray(norms[t]), jnp.asarray(gaps[t]),
+                 jnp.asarray(np.broadcast_to(valid, (n,))))
+    ctl = state if priority == "gnmr" else state.controller
+    if priority == "gnmr":
+      signals[t] = np.asarray(ctl.score["u"])
+    elif priority in ("gap", "oracle"):
+      signals[t] = np.asarray(state.gap["u"])
+    elif priority in ("norm", "hybrid"):
+      signals[t] = norms[t]
+    else:
+      signals[t] = np.nan
+  return masks, signals
+
+
+def _spearman(a, b):
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  if not np.all(np.isfinite(a)) or np.std(a) == 0 or np.std(b) == 0:
+    return float("nan")
+  return float(stats.spearmanr(a, b).statistic)
+
+
+def score_masks(masks, signals, gaps, warmup, max_o):
+  """Per-step coverage, precision and Spearman against the oracle top-max_o set, averaged."""
+  cov, prec, rho, share = [], [], [], []
+  for t in range(warmup + 1, len(gaps)):  # t is 0-based: step t + 1 > warmup + 1
+    e = gaps[t]
+    top = np.argsort(-e, kind="stable")[:max_o]
+    in_top = np.zeros(len(e), bool)
+    in_top[top] = True
+    mask = masks[t]
+    cov.append(e[mask & in_top].sum() / max(e[in_top].sum(), 1e-30))
+    prec.append((mask & in_top).sum() / max_o)
+    share.append(mask.mean())
+    if signals is not None:
+      rho.append(_spearman(signals[t - 1], e))
+  return {"coverage": float(np.mean(cov)), "precision": float(np.mean(prec)),
+          "spearman": float(np.nanmean(rho)) if rho and np.any(np.isfinite(rho)) else None,
+          "recovered_share": float(np.mean(share))}
+
+
+def quality_run(regime, seed, steps, data):
+  config = base_config(steps)
+  config.precision.update(REGIMES[regime][0])
+  config.diagnostics.recovery_gap_every = 1
+  config.logging.unit_log_every = 1
+  config.train.seed = config.data.seed = seed
+  workdir = run_dir("quality", regime, "static_low", seed)
+  t0 = time.time()
+  summary = train(config, workdir, data=data)
+  print(f"[quality] {regime} seed{seed}: loss {summary.get('eval_loss', float('nan')):.3f} "
+        f"({time.time() - t0:.0f} s)", flush=True)
+  units = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.UNITS_FILE))
+  gap_rows = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.GAP_FILE))
+  with open(os.path.join(workdir, metrics_log.UNIT_NAMES_FILE), encoding="utf-8") as f:
+    names = json.load(f)
+  norms = np.array([r["norm"] for r in units], np.float32)
+  gaps = np.array([r["gap"] for r in gap_rows], np.float64)
+  assert len(norms) == len(gaps) == config.train.steps, (len(norms), len(gaps))
+  g, n = config.gnmr, len(names)
+  max_o, warmup = g.max_o, g.warmup
+  tops = [set(np.argsort(-e, kind="stable")[:max_o]) for e in gaps]
+  jaccard = [len(a & b) / len(a | b) for a, b in zip(tops, tops[1:])]
+  concentration = [np.sort(e)[::-1][:max_o].sum() / max(e.sum(), 1e-30) for e in gaps]
+  sq = [np.sort(e ** 2)[::-1][:max_o].sum() / max((e ** 2).sum(), 1e-30) for e in gaps]
+  counts = np.zeros(n)
+  for top in tops[warmup:]:
+    counts[list(top)] += 1
+  out = {"seed": seed, "eval_loss": summary.get("eval_loss"),
+         "concentration": float(np.mean(concentration)), "concentration_sq": float(np.mean(sq)),
+         "top_jaccard": float(np.mean(jaccard)),
+         "top_units": [[names[i], int(counts[i])] for i in np.argsort(-counts)[:max_o + 2]],
+         "controllers": {}}
+  measured = np.ones(len(gaps), bool)
+  replays = dict(CONTROLLERS)
+  replays["hybrid_default_thresholds"] = ({"priority": "hybrid"}, 0)
+  del replays["hindsight"]
+  for name, (overrides, gap_every) in replays.items():
+    rg = ml_collections.ConfigDict(g.to_dict())
+    rg.update(overrides)
+    masks, signals = replay(rg.priority, norms, gaps.astype(np.float32), measured, rg, gap_every)
+    out["controllers"][name] = score_masks(masks, None if name == "random" else signals, gaps,
+                                           warmup, max_o)
+  fixed = np.array([HINDSIGHT in nm for nm in names])
+  masks = np.tile(fixed, (len(gaps), 1))
+  out["controllers"]["hindsight"] = score_masks(masks, None, gaps, warmup, max_o)
+  return out
+
+
+# --- part 'e2e' ----------------------------------------------------------------------------
+
+
+def e2e_run(regime, arm, seed, steps, data):
+  config = arm_config(regime, arm, seed, steps)
+  make_tx = hindsight_tx if arm.startswith("hindsight") else None
+  t0 = time.time()
+  summary = train(config, run_dir("e2e", regime, arm, seed), make_tx=make_tx, data=data)
+  print(f"[e2e] {regime} {arm} seed{seed}: loss {summary.get('eval_loss', float('nan')):.4f} "
+        f"recovered {summary.get('recovered_unit_steps_pct', 0):.2f}% ({time.time() - t0:.0f} s)",
+        flush=True)
+  return {"seed": seed, "eval_loss": summary.get("eval_loss"),
+          "recovered_unit_steps_pct": summary.get("recovered_unit_steps_pct"),
+          "tokens_per_s": summary.get("tokens_per_s")}
+
+
+def _load():
+  if os.path.exists(RESULTS):
+    with open(RESULTS, encoding="utf-8") as f:
+      return json.load(f)
+  return {"quality": {}, "e2e": {}, "invocations": []}
+
+
+def _save(results):
+  os.makedirs(common.RESULTS_DIR, exist_ok=True)
+  with open(RESULTS + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(results, f, indent=1, default=float)
+  os.replace(RESULTS + ".tmp", RESULTS)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--part", choices=("quality", "e2e"), required=True)
+  parser.add_argument("--regimes", default=",".join(REGIMES))
+  parser.add_argument("--arms", default="",
+                      help="e2e arms (default: static_low, static_rec and every controller)")
+  parser.add_argument("--seeds", type=int, default=5)
+  parser.add_argument("--first_seed", type=int, default=0)
+  parser.add_argument("--steps", type=int, default=0)
+  args = parser.parse_args(argv)
+  from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
+  common.enable_compilation_cache()
+  regimes = [r for r in args.regimes.split(",") if r]
+  unknown = [r for r in regimes if r not in REGIMES]
+  if unknown:
+    raise SystemExit(f"unknown regimes {unknown}; valid: {list(REGIMES)}")
+  arms = [a for a in args.arms.split(",") if a] or list(STATIC_ARMS) + list(CONTROLLERS)
+  for arm in arms:
+    if arm not in STATIC_ARMS and arm.partition("_max_o")[0] not in CONTROLLERS:
+      raise SystemExit(f"unknown arm {arm!r}; valid: {list(STATIC_ARMS) + list(CONTROLLERS)} "
+                       "(+ '_max_o<k>')")
+  data = make_data(base_config(args.steps).data)
+  seeds = range(args.first_seed, args.first_seed + args.seeds)
+  results = _load()
+  t0 = time.time()
+  for seed in seeds:  # seed-major, so an interrupted run has every arm of the first seeds
+    for regime in regimes:
+      if args.part == "quality":
+        row = quality_run(regime, seed, args.steps, data)
+        runs = [r for r in results["quality"].get(regime, []) if r["seed"] != seed]
+        results["quality"][regime] = sorted(runs + [row], key=lambda r: r["seed"])
+      else:
+        for arm in arms:
+          row = e2e_run(regime, arm, seed, args.steps, data)
+          by_arm = results["e2e"].setdefault(regime, {})
+          runs = [r for r in by_arm.get(arm, []) if r["seed"] != seed]
+          by_arm[arm] = sorted(runs + [row], key=lambda r: r["seed"])
+      results.update(date=datetime.date.today().isoformat(), device=common.device_description(),
+                     versions=common.versions(), base_config=base_config(args.steps).to_dict(),
+                     gap_every=GAP_EVERY, hindsight=HINDSIGHT)
+      _save(results)
+  results["invocations"].append({"command": " ".join(["python"] + sys.argv),
+                                 "date": datetime.date.today().isoformat(),
+                                 "wall_seconds": time.time() - t0})
+  _save(results)
+  print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+  main()
