@@ -39,6 +39,7 @@ from typing import Any, Callable, NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gnmr_jax import units as units_lib
@@ -96,16 +97,37 @@ class GNMRState(NamedTuple):
 
 
 def _check_positive(name, value):
+  """A float > 0, a jax/numpy real scalar > 0, a schedule, or a traced scalar.
+
+  Values are checked, not types, so ``optax.inject_hyperparams`` can hand in
+  its float32 arrays; a traced one (its update under jit) cannot be checked.
+  """
   if callable(value):
     return
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise ValueError(f"gnmr: `{name}` must be a positive float or an optax schedule, "
-                     f"got {value!r}.")
-  if not value > 0 or value != value or value == float("inf"):
+  dtype = getattr(value, "dtype", None)
+  is_number = isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+  is_array = (dtype is not None and jnp.shape(value) == () and
+              (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)))
+  if not (is_number or is_array):
+    raise ValueError(f"gnmr: `{name}` must be a positive float (or a jax/numpy real scalar) "
+                     f"or an optax schedule, got {value!r}.")
+  try:
+    concrete = float(value)
+  except jax.errors.ConcretizationTypeError:
+    return  # traced: checked at init, where inject_hyperparams passes concrete values
+  if not 0 < concrete < float("inf"):
     raise ValueError(f"gnmr: `{name}` must be a finite value > 0, got {value!r}.")
 
 
+_STATIC_HINT = ("it sets shapes or Python control flow, so keep it static, e.g. "
+                "optax.inject_hyperparams(gnmr_jax.gnmr, "
+                "static_args=('delta', 'max_o', 't_lock', 'warmup'))")
+
+
 def _check_int(name, value, minimum):
+  if isinstance(value, (jax.Array, np.ndarray)):
+    raise ValueError(f"gnmr: `{name}` must be a Python integer >= {minimum}, got an array "
+                     f"{value!r}; {_STATIC_HINT}.")
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
     raise ValueError(f"gnmr: `{name}` must be an integer >= {minimum}, got {value!r}.")
 
@@ -117,20 +139,41 @@ def _safe_ratio(num, den):
                    jnp.where(num > 0, jnp.inf, 1.0)).astype(jnp.float32)
 
 
+def _replicated(x):
+  """``x`` resharded to replicated where its type carries a sharding (explicit mesh axes).
+
+  Under an explicit-axis mesh a per-layer norm of a leaf sharded on its layer
+  axis is itself sharded, and ``jnp.concatenate`` refuses operands of different
+  shardings. The per-unit vectors are tiny, so every device gets all of them.
+  Under auto axes (or no mesh) the type has no sharding and ``x`` is returned as is.
+  """
+  sharding = jax.typeof(x).sharding
+  if all(axis is None for axis in sharding.spec):
+    return x
+  return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh,
+                                                            jax.sharding.PartitionSpec()))
+
+
 def _flat(tree, layout, trailing=0):
-  """Concatenates the unit leaves of a per-unit state tree into [N, *trailing]."""
-  leaves = jax.tree_util.tree_leaves(tree)
+  """Concatenates the unit leaves of a per-unit state tree into [N, *trailing] (replicated)."""
+  leaves = jax.tree_util.tree_leaves(units_lib.unbox(tree))
   parts = []
   for leaf, info in zip(leaves, layout):
     if info.is_unit:
-      parts.append(jnp.reshape(leaf, (info.num_units,) + leaf.shape[leaf.ndim - trailing:]))
+      shape = (info.num_units,) + tuple(jnp.shape(leaf)[jnp.ndim(leaf) - trailing:])
+      parts.append(_replicated(jnp.reshape(leaf, shape)))
   if not parts:
     return None
   return jnp.concatenate(parts, axis=0)
 
 
 def _unflat(vec, layout, treedef, dtype, trailing_shape=()):
-  """Inverse of _flat: splits [N, ...] back into leaves; non-units get a scalar zero."""
+  """Inverse of _flat: splits [N, ...] back into leaves; non-units get a scalar zero.
+
+  ``treedef`` may be that of boxed params or gradients (Flax ``Partitioned`` or
+  ``nnx.Variable``): the boxes are dropped, so no state leaf carries the
+  sharding metadata of the parameter it mirrors.
+  """
   leaves, offset = [], 0
   for info in layout:
     if info.is_unit:
@@ -139,13 +182,28 @@ def _unflat(vec, layout, treedef, dtype, trailing_shape=()):
       offset += info.num_units
     else:
       leaves.append(jnp.zeros((), dtype))
-  return jax.tree_util.tree_unflatten(treedef, leaves)
+  return units_lib.unbox(jax.tree_util.tree_unflatten(treedef, leaves))
 
 
 def _eval(value, count):
   if callable(value):
     return jnp.asarray(value(count), jnp.float32)
-  return jnp.float32(value)
+  return jnp.asarray(value, jnp.float32)
+
+
+def _is_params_placeholder(params) -> bool:
+  """Whether ``params`` is the leafless stand-in that optax.tree_map_params passes to init."""
+  return (type(params).__name__ == "_ParamsPlaceholder" and
+          type(params).__module__.startswith("optax.") and
+          not jax.tree_util.tree_leaves(params))
+
+
+def _describe_selector(selector) -> str:
+  if selector is None:
+    return "None: every leaf with ndim >= 2"
+  if isinstance(selector, str):
+    return f"regex {selector!r}"
+  return f"callable {getattr(selector, '__name__', type(selector).__name__)}"
 
 
 def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: int,
@@ -154,8 +212,9 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
   """GNMR runtime stability controller (see the module docstring for the rules).
 
   Args:
-    alpha: threshold on GNMR_t (float > 0 or optax schedule of the step).
-    beta: threshold on dGNMR_t (float > 0 or optax schedule of the step).
+    alpha: threshold on GNMR_t (float > 0, a jax/numpy real scalar > 0, or an
+      optax schedule of the step).
+    beta: threshold on dGNMR_t (same forms as ``alpha``).
     delta: length of the short window of past GNMR values for dGNMR (>= 1).
     max_o: hard cap on the number of units in the recovery mask (>= 0).
     t_lock: lock length: a unit selected while risky stays a candidate for
@@ -165,17 +224,29 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
     units: which leaves are recoverable: None (every leaf with ndim >= 2), a
       regex searched in the '/'-joined key path (e.g.
       ``r'(attn|mlp)/\\w+/kernel'``), or a callable ``(path, leaf) -> bool``.
+      Flax boxes (``nn.Partitioned``, ``nnx.Variable``) are not part of the
+      path and callables get the array inside them.
     layer_axis: for layer-stacked leaves: None, a regex (matching leaves are
       split along axis 0), or a callable ``(path, leaf) -> int | None``. Each
       slice along that axis is its own unit.
 
+  Only ``alpha`` and ``beta`` may be injected with ``optax.inject_hyperparams``
+  (changing them mid-run takes effect at the next update); ``delta``,
+  ``max_o``, ``t_lock``, ``warmup``, ``units`` and ``layer_axis`` set shapes or
+  Python control flow and must stay static:
+  ``optax.inject_hyperparams(gnmr, static_args=('delta', 'max_o', 't_lock', 'warmup'))``.
+
   Returns:
     An ``optax.GradientTransformationExtraArgs`` that passes updates through
-    unchanged and keeps a :class:`GNMRState`.
+    unchanged and keeps a :class:`GNMRState`. Its per-unit state leaves are
+    plain arrays (no Flax boxes), so the partition specs Flax derives for
+    them are replicated, and ``optax.tree_map_params`` treats them as
+    non-parameter fields.
 
   Raises:
-    ValueError: for invalid arguments (at construction) or a regex that
-      matches no leaf (at init), always before any tracing.
+    ValueError: for invalid arguments (at construction); at init, when
+      ``units`` (regex, callable or None) selects no leaf; at trace time of
+      update, when the gradients' unit layout differs from the one at init.
 
   Example:
     >>> import jax.numpy as jnp, optax, gnmr_jax
@@ -199,18 +270,32 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
   def layout_of(tree):
     return units_lib.resolve_units(tree, unit_selector, axis_selector)
 
+  def zero():  # a fresh buffer each time, so the state can be donated
+    return jnp.zeros((), jnp.int32)
+
+  def placeholder_state():
+    # optax.tree_map_params calls init with one leafless placeholder and treats
+    # every state field equal to it as a params tree. The per-unit fields are
+    # not params trees (their leaves are () or (L,)), so they are plain leaves
+    # here: tree_map_params hands them to `transform_non_params`.
+    return GNMRState(zero(), *(zero() for _ in range(11)),
+                     telemetry=GNMRTelemetry(*(zero() for _ in range(8))))
+
   def init_fn(params):
+    if _is_params_placeholder(params):
+      return placeholder_state()
     layout = layout_of(params)
-    treedef = jax.tree_util.tree_structure(params)
+    treedef = jax.tree_util.tree_structure(units_lib.unbox(params))
     num_units = sum(u.num_units for u in layout)
+    if num_units == 0:
+      raise ValueError(f"gnmr: `units` ({_describe_selector(units)}) selects no leaf, so the "
+                       f"controller would never recover anything; leaf paths are e.g. "
+                       f"{[u.path for u in layout[:5]]}.")
 
     def per_unit(dtype, trailing=()):
       leaves = [jnp.zeros(u.unit_shape + tuple(trailing) if u.is_unit else (), dtype)
                 for u in layout]
       return jax.tree_util.tree_unflatten(treedef, leaves)
-
-    def zero():  # a fresh buffer each time, so the state can be donated
-      return jnp.zeros((), jnp.int32)
 
     return GNMRState(
         count=zero(), mask=per_unit(jnp.bool_), lock=per_unit(jnp.int32),
@@ -221,17 +306,36 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
         window_count=per_unit(jnp.int32),
         telemetry=GNMRTelemetry(jnp.asarray(num_units, jnp.int32), *(zero() for _ in range(7))))
 
+  def check_layout(layout, state):
+    # The window leaf of a unit has shape unit_shape + (delta,), a non-unit's
+    # has shape (): comparing them is a static check that init and this update
+    # chose the same units (e.g. Flax NNX inits with Variable boxes and updates
+    # with bare arrays).
+    held = [tuple(jnp.shape(w)) for w in jax.tree_util.tree_leaves(units_lib.unbox(state.window))]
+    want = [u.unit_shape + (delta,) if u.is_unit else () for u in layout]
+    if held != want:
+      diffs = [f"{u.path!r}: update {w}, state {h}" for u, w, h in zip(layout, want, held)
+               if w != h][:3]
+      raise ValueError(
+          f"gnmr: the update's unit layout differs from the one at init ({len(want)} leaves "
+          f"with {sum(u.num_units for u in layout)} units in the update, {len(held)} leaves "
+          f"in the state; window shapes differ at {diffs}). The gradients must have the "
+          f"structure of the params given to init.")
+
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    leaves, treedef = jax.tree_util.tree_flatten(updates)
+    leaves = jax.tree_util.tree_leaves(updates)
+    treedef = jax.tree_util.tree_structure(units_lib.unbox(updates))
     layout = layout_of(updates)
+    check_layout(layout, state)
     if not any(u.is_unit for u in layout):
       return updates, state._replace(count=state.count + 1)
     step = state.count + 1
     alpha_t = _eval(alpha, state.count)
     beta_t = _eval(beta, state.count)
 
-    norm = jnp.concatenate([jnp.reshape(n, (-1,)) for n in units_lib.unit_norms(leaves, layout)])
+    norm = jnp.concatenate([_replicated(jnp.reshape(n, (-1,)))
+                            for n in units_lib.unit_norms(leaves, layout)])
     norm_sum = _flat(state.norm_sum, layout)
     norm_count = _flat(state.norm_count, layout)
     window = _flat(state.window, layout, trailing=1)
@@ -300,8 +404,41 @@ def _find_states(opt_state) -> list[GNMRState]:
       opt_state, is_leaf=lambda x: isinstance(x, GNMRState)) if isinstance(x, GNMRState)]
 
 
+# dtype of each per-unit field, for the scalar that stands in for a masked-out leaf.
+_PER_UNIT_DTYPES = dict(mask=jnp.bool_, lock=jnp.int32, gnmr=jnp.float32,
+                        delta_gnmr=jnp.float32, score=jnp.float32, risky=jnp.bool_,
+                        norm=jnp.float32, norm_sum=jnp.float32, norm_count=jnp.int32,
+                        window=jnp.float32, window_count=jnp.int32)
+
+
+def _readable(state: GNMRState) -> GNMRState:
+  """The state as plain arrays with scalar zeros for masked-out leaves.
+
+  ``nnx.Optimizer`` wraps every opt-state leaf in an ``OptArray`` Variable, and
+  under ``optax.masked`` / ``multi_transform`` / ``partition`` the per-unit
+  trees hold leafless ``optax.MaskedNode()`` for params outside gnmr's branch;
+  neither can be handed to a model as a ``bool[]`` recovery bit.
+  """
+  state = units_lib.unbox(state)
+
+  def fill(tree, dtype):
+    return jax.tree_util.tree_map(
+        lambda x: jnp.zeros((), dtype) if isinstance(x, optax.MaskedNode) else x, tree,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+  return state._replace(**{field: fill(getattr(state, field), dtype)
+                           for field, dtype in _PER_UNIT_DTYPES.items()})
+
+
 def controller_state(opt_state) -> GNMRState:
   """Finds the GNMRState anywhere inside a (chained, nested, masked) optax state.
+
+  The result is for reading (masks, statistics, telemetry), not for putting
+  back into ``opt_state``: its leaves are plain arrays even when ``opt_state``
+  is an ``nnx.Optimizer``'s (whose leaves are ``OptArray`` Variables), and a
+  param outside gnmr's branch of ``optax.masked`` / ``multi_transform`` /
+  ``partition`` (an ``optax.MaskedNode()`` in the state) reads as a scalar 0 /
+  False of the field's dtype, like any other non-unit leaf.
 
   Args:
     opt_state: the state of an optax transform that chains ``gnmr`` once.
@@ -333,14 +470,16 @@ def controller_state(opt_state) -> GNMRState:
   if len(found) != 1:
     raise ValueError(f"gnmr_jax: expected exactly one GNMRState in the optimizer state, "
                      f"found {len(found)}; chain gnmr_jax.gnmr(...) into the optimizer once.")
-  return found[0]
+  return _readable(found[0])
 
 
 def recovery_mask(opt_state):
   """The recovery mask tree (bool, mirrors params) for the next step, from an optax state.
 
   Leaves are bool[] per unit, bool[L] for layer-stacked leaves (``layer_axis``),
-  and scalar False for leaves that are not units. Feed them to the model (for
+  and scalar False for leaves that are not units (including params outside
+  gnmr's branch of ``optax.masked`` / ``multi_transform`` / ``partition``), as
+  plain arrays also for an ``nnx.Optimizer``'s ``opt_state``. Feed them to the model (for
   example ``policy.dot_general(mask['dense']['kernel'])``) on the next step.
 
   Example:

@@ -5,12 +5,18 @@ layer-stacked leaf along its layer axis (Flax ``nn.scan`` stacks per-layer
 params into one leaf of shape ``[L, ...]``; each of the ``L`` slices is its
 own unit). Unit selection is static: it depends only on key paths and shapes,
 never on values, so it is resolved in Python at trace time.
+
+Flax metadata boxes (Linen ``nn.Partitioned`` from ``nn.with_partitioning``,
+NNX ``nnx.Variable`` in ``nnx.state(model)``) are looked through: a boxed kernel
+is named ``hidden/kernel`` and handed to selectors as its array, exactly like
+the unboxed gradient that reaches ``update``, so init and update agree.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
@@ -44,6 +50,50 @@ def path_to_str(path: Sequence[Any]) -> str:
     else:
       parts.append(str(key))
   return "/".join(parts)
+
+
+def _box_types() -> tuple[type, ...]:
+  """Flax's metadata box types, among the modules already imported.
+
+  A box object can only exist once its module is imported, so looking in
+  ``sys.modules`` finds every box without making ``import gnmr_jax`` import Flax.
+  """
+  types = []
+  meta = sys.modules.get("flax.core.meta")
+  if meta is not None:
+    types.append(meta.AxisMetadata)  # linen Partitioned, LogicallyPartitioned
+  variablelib = sys.modules.get("flax.nnx.variablelib")
+  if variablelib is not None:
+    types.append(variablelib.Variable)  # nnx Param, OptArray, ...
+  return tuple(types)
+
+
+def unbox(tree):
+  """``tree`` with every Flax metadata box replaced by the array it holds.
+
+  The box's own pytree children are read (not ``Partitioned.unbox()``, which
+  would add a sharding constraint), so this works for any box holding one leaf.
+
+  Example:
+    >>> import flax.linen as nn, jax.numpy as jnp
+    >>> boxed = {'kernel': nn.Partitioned(jnp.ones((2, 4)), names=(None, 'model'))}
+    >>> jax.tree_util.tree_structure(unbox(boxed))
+    PyTreeDef({'kernel': *})
+  """
+  types = _box_types()
+  if not types:
+    return tree
+
+  def strip(x):
+    if not isinstance(x, types):
+      return x
+    leaves = jax.tree_util.tree_leaves(x)
+    if len(leaves) > 1:
+      raise ValueError(f"gnmr: a {type(x).__name__} box holding {len(leaves)} arrays is not "
+                       f"a parameter; expected one array per box.")
+    return leaves[0] if leaves else None
+
+  return jax.tree_util.tree_map(strip, tree, is_leaf=lambda x: isinstance(x, types))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +147,8 @@ def resolve_units(tree, units, layer_axis) -> list[LeafUnits]:
   """Resolves the unit layout of every leaf of ``tree`` (in tree order).
 
   Args:
-    tree: params or updates (arrays or ShapeDtypeStructs).
+    tree: params or updates (arrays or ShapeDtypeStructs), Flax boxes allowed
+      (paths and selector arguments skip them, see :func:`unbox`).
     units: None (every leaf with ndim >= 2), a compiled regex searched in the
       '/'-joined key path, or a callable ``(path, leaf) -> bool``.
     layer_axis: None, a compiled regex (matching leaves use axis 0), or a
@@ -116,7 +167,7 @@ def resolve_units(tree, units, layer_axis) -> list[LeafUnits]:
     >>> [(u.path, u.is_unit, u.unit_shape, u.num_units) for u in layout]
     [('layers/q/kernel', True, (2,), 2), ('norm', False, (), 0)]
   """
-  leaves_with_path = jax.tree_util.tree_flatten_with_path(tree)[0]
+  leaves_with_path = jax.tree_util.tree_flatten_with_path(unbox(tree))[0]
   layout = []
   for path, leaf in leaves_with_path:
     name = path_to_str(path)
@@ -156,6 +207,7 @@ def unit_norms(leaves: Sequence[jax.Array], layout: Sequence[LeafUnits]) -> list
 
   A unit leaf with a layer axis gives a vector of L norms (reduction over all
   other axes); a plain unit leaf gives a scalar. Non-unit leaves are skipped.
+  Complex gradients use their modulus: the norm of ``1j * ones((2, 2))`` is 2.
 
   Example:
     >>> import re, jax.numpy as jnp
@@ -173,7 +225,12 @@ def unit_norms(leaves: Sequence[jax.Array], layout: Sequence[LeafUnits]) -> list
     # elementwise loops over the same gradient: on CPU such a multi-output
     # fusion runs serially and made chain(gnmr, adamw) 2.5x slower than adamw
     # (benchmarks/controller_overhead.py); with it the controller costs ~nothing.
-    g = jax.lax.optimization_barrier(jnp.asarray(leaf)).astype(jnp.float32)
+    g = jax.lax.optimization_barrier(jnp.asarray(leaf))
+    if jnp.iscomplexobj(g):  # |z|^2 = re^2 + im^2; a plain float cast would drop im
+      squares = (jnp.square(jnp.real(g).astype(jnp.float32)) +
+                 jnp.square(jnp.imag(g).astype(jnp.float32)))
+    else:
+      squares = jnp.square(g.astype(jnp.float32))
     axes = tuple(a for a in range(g.ndim) if a != info.layer_axis)
-    norms.append(jnp.sqrt(jnp.sum(jnp.square(g), axis=axes)))
+    norms.append(jnp.sqrt(jnp.sum(squares, axis=axes)))
   return norms
