@@ -1,0 +1,89 @@
+"""Cost of measuring the recovery gap (priority 'gap') on the train step, measured side by side.
+
+Builds the jitted train step of one model config three ways and times them in
+interleaved rounds, each round running every variant for the same block of steps
+(a multiple of K, so a block holds its share of measured steps):
+  norm       gnmr.priority='norm', no measurement (recovery_gap_every=0)
+  gap_K      gnmr.priority='gap', recovery_gap_every=K for each K of --every
+and prints, per K, `gap_K_over_norm: <ratio>` = time per step with the gap
+measured every K steps / time per step without (goal at K=50: <= 1.03).
+
+Model: the CPU model of experiments/scenario1 (d=128, 4 layers, seq 64, batch 16) in
+its 4-bit per-tensor saved-activation regime (routed, recovery 8-bit), or --model tiny.
+
+Usage: python benchmarks/recovery_gap_overhead.py [--every 50,10] [--rounds 5] [--block 50]
+"""
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments import selection  # pylint: disable=g-import-not-at-top
+from gnmr_jax import sharding, train_loop  # pylint: disable=g-import-not-at-top
+
+
+def build(every: int, model: str):
+  config = selection.arm_config("tensor4", "gap" if every else "norm", seed=0)
+  config.diagnostics.recovery_gap_every = every
+  config.logging.unit_log_every = 0
+  if model == "tiny":
+    config.model.d_model, config.model.num_layers, config.model.ffn_dim = 64, 2, 128
+    config.model.num_heads = config.model.num_kv_heads = 2
+  run = train_loop.build(config, devices=jax.devices()[:1])
+  with sharding.activation_sharding(run.mesh):
+    state = run.init_state(jax.random.key(0))
+    batch = train_loop.device_batch(run, next(run.data.train_iterator()))
+  return run, state, batch
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--every", default="50,10", help="comma-separated K values")
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--block", type=int, default=50, help="steps per timed block")
+  parser.add_argument("--model", choices=("scenario", "tiny"), default="scenario")
+  args = parser.parse_args(argv)
+  every = [int(k) for k in args.every.split(",") if k]
+  bad = [k for k in every if k < 1 or args.block % k]
+  if bad:
+    raise SystemExit(f"--every values must be >= 1 and divide --block ({args.block}): {bad}")
+  variants = {"norm": build(0, args.model)}
+  for k in every:
+    variants[f"gap_{k}"] = build(k, args.model)
+  states = {name: v[1] for name, v in variants.items()}
+  t0 = time.time()
+  for name, (run, _, batch) in variants.items():  # compile + warm up
+    with sharding.activation_sharding(run.mesh):
+      states[name], metrics = run.train_step(states[name], batch)
+      jax.block_until_ready(metrics)
+  print(f"compiled {len(variants)} variants in {time.time() - t0:.0f} s")
+  per_step = {name: [] for name in variants}
+  for _ in range(args.rounds):
+    for name, (run, _, batch) in variants.items():
+      with sharding.activation_sharding(run.mesh):
+        start = time.perf_counter()
+        for _ in range(args.block):
+          states[name], metrics = run.train_step(states[name], batch)
+        jax.block_until_ready(metrics)
+        per_step[name].append((time.perf_counter() - start) / args.block)
+  print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"jax {jax.__version__}, {args.rounds} interleaved rounds of {args.block} steps, "
+        f"model {args.model}")
+  base = statistics.median(per_step["norm"])
+  for name, times in per_step.items():
+    print(f"{name:10s} median {1e3 * statistics.median(times):8.2f} ms/step  "
+          f"best {1e3 * min(times):8.2f}")
+  for k in every:
+    ratio = statistics.median(per_step[f"gap_{k}"]) / base
+    print(f"gap_{k}_over_norm: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+  main()
