@@ -1,6 +1,7 @@
 """Plots of a run directory: loss curves and the recovery heatmap (units x steps), as PNG.
 
-A run directory holds metrics.jsonl, eval.jsonl, units.jsonl and unit_names.json as
+A run directory holds metrics.jsonl, eval.jsonl, units.jsonl, unit_names.json and, when the
+recovery gap is measured, recovery_gap.jsonl as
 written by ``gnmr_jax.metrics_log.MetricsLogger`` (train_and_evaluate writes them).
 
 Example:
@@ -13,12 +14,15 @@ Example:
   ...   log.train(step, {'loss': loss})
   ...   log.units(step, mask=[step == 2, False], score=[1.5 * step, 0.4],
   ...             gnmr=[2.0, 0.5], delta_gnmr=[1.0, 1.0])
+  >>> log.recovery_gap(2, gap=[0.3, 0.1], rec_norm=[1.0, 2.0], mask_used=[True, False], max_o=1)
   >>> log.close()
   >>> names, steps, mask = recovery_matrix(workdir, 'mask')
   >>> names, steps, mask.tolist()
   (['attn/q[0]', 'attn/q[1]'], [1, 2], [[0.0, 1.0], [0.0, 0.0]])
+  >>> recovery_matrix(workdir, 'gap_rel', metrics_log.GAP_FILE)[2].tolist()
+  [[0.3], [0.05]]
   >>> sorted(plot_run(workdir))
-  ['loss', 'recovery_heatmap', 'score_heatmap']
+  ['gap_heatmap', 'gap_summary', 'loss', 'recovery_heatmap', 'score_heatmap']
   >>> os.path.getsize(os.path.join(workdir, 'plots', 'recovery_heatmap.png')) > 1000
   True
 """
@@ -80,13 +84,15 @@ def plot_losses(runs: dict, path: str, title: str = "loss") -> str:
   return path
 
 
-def recovery_matrix(workdir: str, field: str = "mask"):
+def recovery_matrix(workdir: str, field: str = "mask", source: str = metrics_log.UNITS_FILE):
   """(unit names, steps, [units, steps] matrix) from <workdir>/units.jsonl.
 
   Args:
     workdir: a run directory.
     field: 'mask' (1.0 = on the recovery path that step), 'score' (risk score r),
-      'gnmr' or 'delta_gnmr'.
+      'gnmr', 'delta_gnmr' or 'norm'; with ``source=metrics_log.GAP_FILE``: 'gap'
+      (recovery gap e_u) or 'gap_rel' (e_u / ||g_rec,u||).
+    source: the JSONL file of the run directory to read.
 
   Returns:
     (list of unit names, list of logged steps, float64 [units, steps] array).
@@ -97,7 +103,7 @@ def recovery_matrix(workdir: str, field: str = "mask"):
     >>> names, steps, matrix.shape
     ([], [], (0, 0))
   """
-  rows = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.UNITS_FILE))
+  rows = metrics_log.read_jsonl(os.path.join(workdir, source))
   names_path = os.path.join(workdir, metrics_log.UNIT_NAMES_FILE)
   names = json.load(open(names_path, encoding="utf-8")) if os.path.exists(names_path) else []
   if not rows:
@@ -106,14 +112,15 @@ def recovery_matrix(workdir: str, field: str = "mask"):
   return names, steps, np.asarray([r[field] for r in rows], np.float64).T
 
 
-def plot_recovery_heatmap(workdir: str, path: str, field: str = "mask") -> str:
-  """Heatmap of the recovery mask (or a score field) over units x logged steps.
+def plot_recovery_heatmap(workdir: str, path: str, field: str = "mask",
+                          source: str = metrics_log.UNITS_FILE) -> str:
+  """Heatmap of the recovery mask (or a score or gap field) over units x logged steps.
 
   ``field='mask'``: dark = on the recovery path; other fields are drawn as
   log10 (clipped to [1e-3, 1e3]), so for 'score' log10 r > 0 means risky.
   Returns ``path`` (see the module docstring for an example).
   """
-  names, steps, matrix = recovery_matrix(workdir, field)
+  names, steps, matrix = recovery_matrix(workdir, field, source)
   fig = _figure((9, max(3, 0.12 * len(names) + 1)))
   ax = fig.subplots()
   if matrix.size:
@@ -125,7 +132,27 @@ def plot_recovery_heatmap(workdir: str, path: str, field: str = "mask") -> str:
   ax.set_yticks(range(len(names)))
   ax.set_yticklabels([n.replace("layers/", "").replace("/kernel", "") for n in names], fontsize=5)
   ax.set_xlabel("step")
-  ax.set_title(f"GNMR {field} per unit ({os.path.basename(workdir.rstrip('/'))})")
+  what = "recovery" if source == metrics_log.GAP_FILE else "GNMR"
+  ax.set_title(f"{what} {field} per unit ({os.path.basename(workdir.rstrip('/'))})")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return path
+
+
+def plot_gap_summary(workdir: str, path: str) -> str:
+  """Per measured step: the top-max_o share of the recovery gap (concentration) and the share
+  of the top-max_o gap that the mask used at that step covers (coverage). Returns ``path``."""
+  rows = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.GAP_FILE))
+  fig = _figure((7, 3.2))
+  ax = fig.subplots()
+  steps = [r["step"] for r in rows]
+  for key, label in (("concentration", "top-max_o share of sum e_u"),
+                     ("coverage", "share of the top-max_o gap in the mask used")):
+    ax.plot(steps, [r.get(key, np.nan) for r in rows], marker=".", lw=1, label=label)
+  ax.set_ylim(0, 1.02)
+  ax.set_xlabel("step")
+  ax.legend(fontsize=7)
+  ax.set_title(f"recovery gap ({os.path.basename(workdir.rstrip('/'))})")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   return path
@@ -135,7 +162,8 @@ def plot_run(workdir: str) -> dict:
   """Writes <workdir>/plots/{loss,recovery_heatmap,score_heatmap}.png; returns their paths.
 
   The heatmaps are drawn only when units.jsonl exists (the controller is enabled
-  and ``logging.unit_log_every > 0``). See the module docstring for an example.
+  and ``logging.unit_log_every > 0``); gap_heatmap.png and gap_summary.png only when
+  the recovery gap was measured (``diagnostics.recovery_gap_every > 0``). See the module docstring for an example.
   """
   out = os.path.join(workdir, "plots")
   os.makedirs(out, exist_ok=True)
@@ -145,4 +173,9 @@ def plot_run(workdir: str) -> dict:
         workdir, os.path.join(out, "recovery_heatmap.png"), "mask")
     paths["score_heatmap"] = plot_recovery_heatmap(
         workdir, os.path.join(out, "score_heatmap.png"), "score")
+  gap_file = os.path.join(workdir, metrics_log.GAP_FILE)
+  if os.path.exists(gap_file) and os.path.getsize(gap_file):
+    paths["gap_heatmap"] = plot_recovery_heatmap(
+        workdir, os.path.join(out, "gap_heatmap.png"), "gap", metrics_log.GAP_FILE)
+    paths["gap_summary"] = plot_gap_summary(workdir, os.path.join(out, "gap_summary.png"))
   return paths

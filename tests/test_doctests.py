@@ -14,6 +14,8 @@ import pytest
 
 MODULES = (
     "gnmr_jax.controller",
+    "gnmr_jax.selection",
+    "gnmr_jax.recovery_gap",
     "gnmr_jax.units",
     "gnmr_jax.precision.policy",
     "gnmr_jax.precision.registry",
@@ -31,7 +33,7 @@ MODULES = (
 # Public API that must carry a runnable example (">>>") in its docstring.
 DOCUMENTED = (
     "gnmr_jax.gnmr", "gnmr_jax.GNMRState", "gnmr_jax.GNMRTelemetry", "gnmr_jax.recovery_mask",
-    "gnmr_jax.controller_state",
+    "gnmr_jax.controller_state", "gnmr_jax.selection.prioritized", "gnmr_jax.recovery_gap.measure",
     "gnmr_jax.precision.make_policy", "gnmr_jax.precision.PrecisionPolicy.dot",
     "gnmr_jax.precision.PrecisionPolicy.dot_general", "gnmr_jax.precision.register_path",
     "gnmr_jax.precision.available_paths", "gnmr_jax.precision.path_dot",
