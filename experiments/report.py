@@ -58,7 +58,7 @@ def load_results():
   if not os.path.isdir(RESULTS_DIR):
     return out
   for name in sorted(os.listdir(RESULTS_DIR)):
-    if name.endswith(".json"):
+    if name.endswith(".json") and name != "selection_cpu.json":  # selection_report.py reads it
       with open(os.path.join(RESULTS_DIR, name), encoding="utf-8") as f:
         data = json.load(f)
       out[(data["scenario"], data["scale"])] = data
@@ -439,6 +439,8 @@ def main(argv=None):
     parts.append(f"## {title}")
     for scale in ("cpu", "gpu"):
       parts.append(section(key, scale, results.get((key, scale))))
+  from experiments import selection_report  # pylint: disable=g-import-not-at-top
+  parts.append(selection_report.section())
   text = "\n\n".join(parts).rstrip() + "\n"
   with open(REPORT, "w", encoding="utf-8") as f:
     f.write(text)

@@ -1,0 +1,187 @@
+"""The RESULTS.md section of experiments/selection.py, from experiments/results/selection_cpu.json.
+
+Every number comes from that JSON. Statistics: mean ± sample sd over seeds; a paired
+difference between two arms is taken per seed (same init and data order) and reported as
+mean ± standard error (sd / sqrt(n)); "closed" is the per-seed share of the
+static-low-cost-to-static-recovery loss gap that an arm closes,
+(L_low - L_arm) / (L_low - L_rec).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "experiments", "results", "selection_cpu.json")
+DEPLOYABLE = ("norm", "gap", "hybrid")   # controllers a user can run (no hindsight, no oracle)
+REFERENCES = ("oracle", "hindsight")
+ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "gap", "hybrid", "oracle",
+         "hindsight")
+LABELS = {
+    "static_low": "static low-cost", "static_rec": "static recovery (every unit)",
+    "gnmr": "paper GNMR (`gnmr_jax.gnmr`)", "random": "random, same budget and lock",
+    "norm": "norm level (priority 'norm')",
+    "gap": "measured gap, K=10 (priority 'gap')",
+    "hybrid": "hybrid: GNMR alarm (alpha 4, beta 3) + norm fill",
+    "hybrid_default_thresholds": "hybrid at the default thresholds (alpha 2, beta 1.5)",
+    "oracle": "lagged oracle: gap measured every step (priority 'oracle', K=1)",
+    "hindsight": "hindsight static set: mlp/down of every layer",
+}
+REGIME_TEXT = {
+    "tensor4": "4-bit saved activations, one scale per tensor, forward too / 8-bit",
+    "tensor2": "2-bit saved activations, one scale per tensor, forward too / 8-bit",
+    "block4": "blockwise 4-bit (1x32 tiles, 32x32 blocks) / bf16",
+    "paper4": "the paper's stress: 4-bit per-token, weight gradient only / 8-bit (no-gap control)",
+}
+
+
+def _ms(values, digits=3):
+  values = [v for v in values if v is not None and np.isfinite(v)]
+  if not values:
+    return "n/a"
+  if len(values) == 1:
+    return f"{values[0]:.{digits}f}"
+  return f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}"
+
+
+def paired(runs_a, runs_b, key="eval_loss"):
+  """(mean, standard error, n) of a - b over the seeds both have."""
+  a = {r["seed"]: r[key] for r in runs_a}
+  b = {r["seed"]: r[key] for r in runs_b}
+  diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))]
+  if not diffs:
+    return float("nan"), float("nan"), 0
+  se = float(np.std(diffs, ddof=1) / math.sqrt(len(diffs))) if len(diffs) > 1 else float("nan")
+  return float(np.mean(diffs)), se, len(diffs)
+
+
+def closed_shares(arms, name):
+  """Per-seed share of the static-low-to-static-recovery gap closed by arm `name`."""
+  low = {r["seed"]: r["eval_loss"] for r in arms.get("static_low", [])}
+  rec = {r["seed"]: r["eval_loss"] for r in arms.get("static_rec", [])}
+  out = {}
+  for r in arms.get(name, []):
+    s = r["seed"]
+    if s in low and s in rec and low[s] - rec[s] > 0:
+      out[s] = (low[s] - r["eval_loss"]) / (low[s] - rec[s])
+  return out
+
+
+def _fmt_pair(mean, se, n):
+  if n == 0 or not np.isfinite(mean):
+    return "n/a"
+  z = abs(mean) / se if se and np.isfinite(se) and se > 0 else float("nan")
+  return f"{mean:+.4f} ± {se:.4f} (n={n}, {z:.1f} SE)"
+
+
+def quality_section(quality):
+  out = []
+  for regime, runs in quality.items():
+    seeds = [r["seed"] for r in runs]
+    out.append(f"**{regime}** ({REGIME_TEXT.get(regime, regime)}), seeds {seeds}: the top max_o "
+               f"units hold {_ms([r['concentration'] for r in runs], 2)} of sum_u e_u "
+               f"({_ms([r['concentration_sq'] for r in runs], 2)} of sum e_u^2); consecutive "
+               f"top sets overlap (Jaccard) {_ms([r['top_jaccard'] for r in runs], 2)}; most "
+               f"often in the top set (steps, seed {runs[0]['seed']}): " + ", ".join(
+                   f"`{n}` {c}" for n, c in runs[0]["top_units"]) + ".")
+    rows = ["| controller | coverage of the top-max_o gap | precision | Spearman(signal, e_u) "
+            "| recovered share |", "|---|---|---|---|---|"]
+    for name in runs[0]["controllers"]:
+      vals = [r["controllers"][name] for r in runs]
+      rows.append(f"| {LABELS.get(name, name)} | {_ms([v['coverage'] for v in vals], 2)} | "
+                  f"{_ms([v['precision'] for v in vals], 2)} | "
+                  f"{_ms([v['spearman'] for v in vals], 2)} | "
+                  f"{_ms([v['recovered_share'] for v in vals], 3)} |")
+    out.append("\n".join(rows))
+  return "\n\n".join(out)
+
+
+def e2e_table(arms):
+  rows = ["| arm | validation loss (nats) | share of the gap closed (per seed) | recovered unit-steps "
+          "| vs random (paired loss diff) | vs paper GNMR (paired loss diff) |",
+          "|---|---|---|---|---|---|"]
+  names = [n for n in ORDER if n in arms] + sorted(n for n in arms if n not in ORDER)
+  for name in names:
+    runs = arms[name]
+    closed = closed_shares(arms, name)
+    closed_txt = ("n/a" if not closed else f"{_ms(list(closed.values()), 2)} ("
+                  + ", ".join(f"{closed[s]:.2f}" for s in sorted(closed)) + ")")
+    vs = []
+    for other in ("random", "gnmr"):
+      vs.append("" if name in (other, "static_low", "static_rec") or other not in arms
+                else _fmt_pair(*paired(runs, arms[other])))
+    label = LABELS.get(name, name.replace("_max_o", ", max_o "))
+    recovered = ("0 (static)" if name in ("static_low", "static_rec") else
+                 _ms([r.get("recovered_unit_steps_pct") or 0 for r in runs], 1) + "%")
+    rows.append(f"| {label} | {_ms([r['eval_loss'] for r in runs])} (n={len(runs)}) | "
+                f"{closed_txt} | {recovered} | {vs[0]} | {vs[1]} |")
+  return "\n".join(rows)
+
+
+def goals(arms):
+  """The selection issue's goal in tensor4, checked on the deployable controllers."""
+  lines = []
+  best, best_closed = None, -float("inf")
+  for name in DEPLOYABLE:
+    closed = closed_shares(arms, name)
+    if closed and np.mean(list(closed.values())) > best_closed:
+      best, best_closed = name, float(np.mean(list(closed.values())))
+  if best is None:
+    return "No deployable controller has finished runs yet."
+  rec = float(np.mean([r["recovered_unit_steps_pct"] for r in arms[best]]))
+  lines.append(f"Best deployable controller by mean share closed: **{best}** "
+               f"({best_closed:.2f} of the gap closed, {rec:.1f}% of unit-steps recovered).")
+  checks = [("closes >= 50% of the gap", best_closed >= 0.5),
+            ("recovers <= 15% of unit-steps", rec <= 15.0)]
+  for other in ("random", "gnmr"):
+    if other in arms:
+      mean, se, n = paired(arms[best], arms[other])
+      ok = n > 1 and np.isfinite(se) and mean < 0 and -mean >= 2 * se
+      checks.append((f"beats {other} by >= 2 SE of the paired per-seed loss difference "
+                     f"({_fmt_pair(mean, se, n)})", ok))
+  lines.extend(f"- {'met' if ok else 'NOT met'}: {what}" for what, ok in checks)
+  return "\n".join(lines)
+
+
+def section():
+  """The markdown section (a 'not run yet' line when there are no results)."""
+  if not os.path.exists(RESULTS):
+    return ("## Selection: which units to recover\n\nNot run yet. Run: "
+            "`python experiments/selection.py --part quality --seeds 3` and "
+            "`python experiments/selection.py --part e2e --seeds 5`, then "
+            "`python experiments/report.py`.")
+  with open(RESULTS, encoding="utf-8") as f:
+    data = json.load(f)
+  base = data["base_config"]
+  m, g = base["model"], base["gnmr"]
+  out = ["## Selection: which units to recover",
+         f"Generated from `experiments/results/selection_cpu.json` (`experiments/selection.py`; "
+         f"method in its docstring). Measured {data['date']} on {data['device']}, jax "
+         f"{data['versions']['jax']}, flax {data['versions']['flax']}, optax "
+         f"{data['versions']['optax']}. Model d={m['d_model']}, {m['num_layers']} layers "
+         f"(28 projection units), seq {base['data']['seq_len']}, batch "
+         f"{base['data']['batch_size']}, {base['train']['steps']} steps, lr "
+         f"{base['optimizer']['learning_rate']}; budget max_o {g['max_o']}, t_lock {g['t_lock']}, "
+         f"warmup {g['warmup']} for every controller; paper thresholds alpha {g['alpha']}, beta "
+         f"{g['beta']}, delta {g['delta']}. Commands: " + "; ".join(
+             f"`{i['command']}` ({i['wall_seconds'] / 60:.0f} min)"
+             for i in data.get("invocations", [])) + "."]
+  if data.get("quality"):
+    out.append("### Selection quality (static low-cost trajectory, every controller replayed)")
+    out.append("Coverage: share of the oracle top-max_o units' gap e_u(t) that the mask used at "
+               "step t holds; precision: |mask and top set| / max_o; Spearman between the signal "
+               "the controller ranked by at t - 1 and e_u(t); all averaged over steps after "
+               "warmup, then mean ± sd over seeds.")
+    out.append(quality_section(data["quality"]))
+  if data.get("e2e"):
+    out.append("### End to end at equal budget (each arm trained and evaluated in its own routing)")
+    for regime, arms in data["e2e"].items():
+      out.append(f"**{regime}**: {REGIME_TEXT.get(regime, regime)}.")
+      out.append(e2e_table(arms))
+      if regime == "tensor4":
+        out.append("Goals of the selection issue (tensor4):\n\n" + goals(arms))
+  return "\n\n".join(out)
