@@ -18,14 +18,16 @@ it must match bit for bit.
 import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from gnmr_jax import precision
+from gnmr_jax import nnx_routing, precision
 from gnmr_jax.precision import path as path_lib
 from gnmr_jax.precision import registry
 
@@ -175,3 +177,50 @@ def test_a_leg_without_out_sharding_runs_under_auto_axes():
   assert got[1].sharding.is_equivalent_to(kernel_s.sharding, 2)
   for g, w, bound in zip(got, want, (_bound(N, cotangent, kernel.T), _bound(M, x.T, cotangent))):
     assert np.all(np.abs(np.asarray(g, np.float64) - w) <= bound)
+
+
+def test_flax_hooks_under_explicit_mesh():
+  """linen Dense(dot_general=policy.dot_general(bit)) and an nnx.Linear routed by
+  nnx_routing.route: gradients as on one device, sharded like the kernel, and the
+  nnx call's out_sharding request honoured."""
+  policy = precision.make_policy(_config('int8', recovery_storage='per_unit'))
+  mesh = _explicit_mesh((2, 4), ('data', 'model'))
+  x, _, _ = _inputs(2)
+  kernel_sharding = NamedSharding(mesh, P(None, 'model'))
+
+  def linen_grads(params, x, bit):
+    layer = nn.Dense(N, dot_general=policy.dot_general(bit))
+    return jax.grad(lambda p: jnp.sum(layer.apply({'params': p}, x) ** 2))(params)
+
+  linear = nnx.Linear(K, N, rngs=nnx.Rngs(0))
+  params = {'kernel': linear.kernel[...], 'bias': linear.bias[...]}
+
+  @nnx.jit
+  def nnx_grads(linear, x, bit):
+    def loss(linear):
+      with nnx_routing.route(linear, policy, {'kernel': bit}):
+        # out_sharding, like lax.dot_general's, needs a mesh (the sharded calls).
+        explicit = not jax.sharding.get_abstract_mesh().empty
+        y = linear(x, out_sharding=P('data', 'model') if explicit else None)
+      return jnp.sum(y ** 2), y
+    return nnx.grad(loss, has_aux=True)(linear)
+
+  for bit in (False, True):
+    want = jax.jit(linen_grads)(params, x, jnp.array(bit))
+    want_nnx, y_want = nnx_grads(linear, x, jnp.array(bit))
+    np.testing.assert_array_equal(want_nnx['kernel'][...], want['kernel'])
+    with jax.set_mesh(mesh):
+      sharded = {'kernel': jax.device_put(params['kernel'], kernel_sharding),
+                 'bias': jax.device_put(params['bias'], NamedSharding(mesh, P('model')))}
+      x_s = jax.device_put(x, NamedSharding(mesh, P('data')))
+      got = jax.jit(linen_grads)(sharded, x_s, jnp.array(bit))
+      sharded_linear = nnx.Linear(K, N, rngs=nnx.Rngs(0))
+      sharded_linear.kernel.set_value(sharded['kernel'])
+      sharded_linear.bias.set_value(sharded['bias'])
+      got_nnx, y = nnx_grads(sharded_linear, x_s, jnp.array(bit))
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh, P('data', 'model')), 2)
+    for grads in (got, nnx.to_pure_dict(got_nnx)):
+      assert grads['kernel'].sharding.is_equivalent_to(kernel_sharding, 2)
+      # d sum(y^2)/dW = x^T (2y): the sharded sums reorder its M terms.
+      bound = _bound(M, x.T, 2 * np.asarray(y_want))
+      assert np.all(np.abs(np.asarray(grads['kernel'], np.float64) - want['kernel']) <= bound)
