@@ -107,6 +107,11 @@ def test_bring_your_own_model_spike_enters_mask_for_t_lock_plus_one(kernel_env, 
   assert math.isfinite(result["final_loss"]) and result["final_loss"] < result["first_loss"]
   stdout = "".join(o.text for o in outputs(nb, "stream") if o.name == "stdout")
   assert "lax.cond in the routed forward pass: 2" in stdout
+  # The NNX section: nnx_routing.route with the mask from nnx.Optimizer's state.
+  assert result["nnx_mask_run_length"] == result["t_lock"] + 1
+  assert math.isfinite(result["nnx_final_loss"])
+  assert result["nnx_final_loss"] < result["nnx_first_loss"]
+  assert "NNX layers restored after the step: True" in stdout
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gnmr_jax.precision import path as path_lib
-from gnmr_jax.precision import quantize, registry
+from gnmr_jax.precision import explicit_sharding, quantize, registry
 
 
 def _pad_to(x: jax.Array, multiples: tuple[int, int]) -> jax.Array:
@@ -52,10 +52,26 @@ def qdq_blocks(w: jax.Array, bits: int, block: int) -> jax.Array:
   return y.reshape(wp.shape)[:c, :n]
 
 
-def _leg(lhs, rhs, out_dtype, bits, block):
-  acc = lax.dot_general(qdq_tiles(lhs, bits, block), qdq_blocks(rhs, bits, block),
+def _keeping_sharding(qdq, x: jax.Array, bits: int, block: int) -> jax.Array:
+  """``qdq(x, bits, block)``, typed with ``x``'s sharding under an explicit mesh.
+
+  Tiles and blocks straddle shard boundaries (a 128-long tile over a batch axis
+  split 8 ways), which explicit sharding types cannot express; the padding and
+  reshapes therefore run under ``auto_axes``, where the partitioner moves data as
+  it did before explicit meshes. This path simulates numerics, not speed.
+  """
+  sharding = explicit_sharding.out_sharding(x)
+  if sharding is None:
+    return qdq(x, bits, block)
+  return jax.sharding.auto_axes(lambda a: qdq(a, bits, block), out_sharding=sharding)(x)
+
+
+def _leg(lhs, rhs, out_dtype, out_sharding=None, *, bits, block):
+  acc = lax.dot_general(_keeping_sharding(qdq_tiles, lhs, bits, block),
+                        _keeping_sharding(qdq_blocks, rhs, bits, block),
                         quantize.MATMUL_DIMS, precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32)
+                        preferred_element_type=jnp.float32,
+                        **explicit_sharding.dot_kwargs(out_sharding))
   return acc.astype(out_dtype)
 
 

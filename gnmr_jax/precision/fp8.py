@@ -24,12 +24,12 @@ def _forward(x, kernel, out_dtype):
   return quantize.scaled_matmul(x, kernel, E4M3, E4M3, out_dtype)
 
 
-def _dlhs(g, kernel_t, out_dtype):
-  return quantize.scaled_matmul(g, kernel_t, E5M2, E4M3, out_dtype)
+def _dlhs(g, kernel_t, out_dtype, out_sharding=None):
+  return quantize.scaled_matmul(g, kernel_t, E5M2, E4M3, out_dtype, out_sharding)
 
 
-def _drhs(x_t, g, out_dtype):
-  return quantize.scaled_matmul(x_t, g, E4M3, E5M2, out_dtype)
+def _drhs(x_t, g, out_dtype, out_sharding=None):
+  return quantize.scaled_matmul(x_t, g, E4M3, E5M2, out_dtype, out_sharding)
 
 
 PATH = path_lib.three_leg_path(_forward, _dlhs, _drhs)

@@ -19,8 +19,8 @@ _int8_matmul = functools.partial(quantize.scaled_matmul, lhs_dtype=jnp.int8,
                                  rhs_dtype=jnp.int8)
 
 
-def _leg(lhs, rhs, out_dtype):
-  return _int8_matmul(lhs, rhs, out_dtype=out_dtype)
+def _leg(lhs, rhs, out_dtype, out_sharding=None):
+  return _int8_matmul(lhs, rhs, out_dtype=out_dtype, out_sharding=out_sharding)
 
 
 PATH = path_lib.three_leg_path(_leg, _leg, _leg)

@@ -7,18 +7,28 @@ routed dot (routing.py) needs to run the forward legs of two paths under one
 * ``forward(x [M,K], kernel [K,N]) -> (y [M,N] in x.dtype, residuals)``, where
   ``residuals`` is a tuple of arrays other than ``x`` and ``kernel``;
 * ``backward(residuals, x, kernel, g) -> (dx in g.dtype, dkernel in kernel.dtype)``,
-  where ``x`` is None unless ``saves_input``.
+  where ``x`` is the saved input if ``saves_input``, else its
+  ``jax.ShapeDtypeStruct`` (shape, dtype, and sharding under an explicit mesh).
 
 ``x`` and ``kernel`` are kept outside the path's residuals so that a routed dot
 keeps them once (and a scan can forward the kernel slice instead of copying it).
+
+Under a mesh with explicit axes ``dx`` and ``dkernel`` must have the shardings of
+``x`` and ``kernel`` (JAX checks a custom backward's output types), and a matmul
+contracting an axis sharded on both operands needs its ``out_sharding``; the
+backward reads them with ``explicit_sharding.out_sharding(x)`` and
+``out_sharding(kernel)``, both None without explicit axes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Callable
 
 import jax
+
+from gnmr_jax.precision import explicit_sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,25 +64,57 @@ def path_dot(path: Path):
 
   def dot_fwd(x, kernel):
     y, residuals = path.forward(x, kernel)
-    return y, (residuals, x if path.saves_input else None, kernel)
+    # x's type rides along as static structure: a path that does not save x still
+    # learns x's sharding, which dx must have under an explicit mesh.
+    return y, (residuals, x if path.saves_input else explicit_sharding.static_type(x),
+               kernel)
 
   def dot_bwd(saved, g):
     residuals, x, kernel = saved
+    x = x if path.saves_input else x.aval
     return path.backward(residuals, x, kernel, g)
 
   dot.defvjp(dot_fwd, dot_bwd)
   return dot
 
 
+def _call_leg(leg, lhs, rhs, out_dtype, out_sharding):
+  """``leg(lhs, rhs, out_dtype)`` with a result of ``out_sharding`` (None: as is).
+
+  A leg that takes an ``out_sharding`` keyword gets it; one that does not (a
+  plain ``(a, b, out_dtype)`` function written before explicit meshes) runs under
+  ``jax.sharding.auto_axes``, where the partitioner picks the collectives, with
+  its result resharded to ``out_sharding``.
+  """
+  if out_sharding is None:
+    return leg(lhs, rhs, out_dtype)
+  if _takes_out_sharding(leg):
+    return leg(lhs, rhs, out_dtype, out_sharding=out_sharding)
+  return jax.sharding.auto_axes(
+      lambda a, b: leg(a, b, out_dtype), out_sharding=out_sharding)(lhs, rhs)
+
+
+def _takes_out_sharding(fn) -> bool:
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):  # builtins without a signature
+    return False
+  return any(p.name == 'out_sharding' or p.kind is p.VAR_KEYWORD for p in params)
+
+
 def three_leg_path(forward, dlhs, drhs) -> Path:
   r"""A path from its three matmuls (AQT's fwd/dlhs/drhs legs); residuals: x, W.
 
   With :math:`y = xW`: :math:`\partial x = g W^T`, :math:`\partial W = x^T g`.
+  Under an explicit-axis mesh the backward legs are called with
+  ``out_sharding=`` the sharding of ``x`` (dlhs) and of ``W`` (drhs), as
+  ``jnp.dot``'s gradients get; a leg without that keyword runs under
+  ``jax.sharding.auto_axes`` instead. Without explicit axes no leg gets it.
 
   Args:
     forward: ``(x [M,K], W [K,N], out_dtype) -> y [M,N]``.
-    dlhs: ``(g [M,N], W^T [N,K], out_dtype) -> dx [M,K]``.
-    drhs: ``(x^T [K,M], g [M,N], out_dtype) -> dW [K,N]``.
+    dlhs: ``(g [M,N], W^T [N,K], out_dtype[, out_sharding]) -> dx [M,K]``.
+    drhs: ``(x^T [K,M], g [M,N], out_dtype[, out_sharding]) -> dW [K,N]``.
 
   Returns:
     A ``Path`` with ``saves_input=True`` and no residuals of its own.
@@ -85,8 +127,10 @@ def three_leg_path(forward, dlhs, drhs) -> Path:
     >>> path_dot(path)(jnp.ones((2, 3)), jnp.ones((3, 4))).shape, path.saves_input
     ((2, 4), True)
   """
-  return Path(
-      forward=lambda x, kernel: (forward(x, kernel, x.dtype), ()),
-      backward=lambda residuals, x, kernel, g: (dlhs(g, kernel.T, g.dtype),
-                                                drhs(x.T, g, kernel.dtype)),
-      saves_input=True)
+  def backward(residuals, x, kernel, g):
+    del residuals
+    return (_call_leg(dlhs, g, kernel.T, g.dtype, explicit_sharding.out_sharding(x)),
+            _call_leg(drhs, x.T, g, kernel.dtype, explicit_sharding.out_sharding(kernel)))
+
+  return Path(forward=lambda x, kernel: (forward(x, kernel, x.dtype), ()),
+              backward=backward, saves_input=True)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from gnmr_jax.precision import config as config_lib
+from gnmr_jax.precision import explicit_sharding
 from gnmr_jax.precision import path as path_lib
 from gnmr_jax.precision import registry, routing, side_buffer
 
@@ -76,7 +77,7 @@ class PrecisionPolicy:
       (2, 5, 3)
     """
     _check_dot_shapes(x, kernel)
-    x_2d = x.reshape(-1, x.shape[-1])
+    x_2d = explicit_sharding.unshard_contraction(x.reshape(-1, x.shape[-1]), kernel)
     if self.routed and recover is not None:
       y_2d = self._routed_dot(x_2d, kernel, routing.check_recover(recover))
     else:
@@ -87,13 +88,16 @@ class PrecisionPolicy:
     """A ``lax.dot_general``-compatible function for ``flax.linen.Dense(dot_general=...)``.
 
     Supports contracting trailing lhs axes with the same number of leading rhs
-    axes, no batch axes (Dense and DenseGeneral over trailing axes).
+    axes, no batch axes (Dense and DenseGeneral over trailing axes). An
+    ``out_sharding`` (as ``nnx.Linear(...)(x, out_sharding=...)`` passes) reshards
+    the result, which, as for ``lax.dot_general``, needs explicit mesh axes.
 
     Args:
       recover: bool[] scalar mask bit for the unit, or None.
 
     Returns:
-      ``fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None)``.
+      ``fn(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+      out_sharding=None)``.
 
     Example:
       A Flax ``Dense`` whose matmul runs ``lax.cond(recover, bf16, int8)``:
@@ -111,7 +115,7 @@ class PrecisionPolicy:
     """
 
     def dot_general(lhs, rhs, dimension_numbers, precision=None,
-                    preferred_element_type=None, **unused_kwargs):
+                    preferred_element_type=None, out_sharding=None, **unused_kwargs):
       del precision  # Each path fixes its own operand precision.
       (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
       num = len(lhs_contract)
@@ -126,7 +130,9 @@ class PrecisionPolicy:
       y = self.dot(lhs.reshape(lhs.shape[:lhs.ndim - num] + (k,)),
                    rhs.reshape(k, math.prod(out_shape)), recover)
       y = y.reshape(y.shape[:-1] + out_shape)
-      return y if preferred_element_type is None else y.astype(preferred_element_type)
+      if preferred_element_type is not None:
+        y = y.astype(preferred_element_type)
+      return explicit_sharding.to_output(y, out_sharding)
 
     return dot_general
 
@@ -214,9 +220,11 @@ class PrecisionPolicy:
                        f'x {x.shape}.')
     _check_dot_shapes(x, kernel)
     rows = math.prod(x.shape[:-1])
+    x_2d = explicit_sharding.unshard_contraction(x.reshape(rows, x.shape[-1]), kernel)
+    # Explicit meshes: the buffer must shard its rows like the tokens (no-op otherwise).
+    buffer_2d = explicit_sharding.like_rows(side.buffer.reshape(rows, -1), x_2d)
     y_2d, out = self._routed_side_dot(
-        x.reshape(rows, x.shape[-1]), kernel, routing.check_recover(recover),
-        side._replace(buffer=side.buffer.reshape(rows, -1)))
+        x_2d, kernel, routing.check_recover(recover), side._replace(buffer=buffer_2d))
     buffer = out.buffer.reshape(side.buffer.shape)
     return y_2d.reshape(x.shape[:-1] + (kernel.shape[1],)), out._replace(buffer=buffer)
 

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gnmr_jax.precision import explicit_sharding
+
 # Contracts lhs axis 1 with rhs axis 0, no batch axes: [M, C] x [C, N] -> [M, N].
 MATMUL_DIMS = (((1,), (0,)), ((), ()))
 
@@ -60,7 +62,7 @@ def quantize(x: jax.Array, axis, dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_dtype, rhs_dtype,
-                  out_dtype) -> jax.Array:
+                  out_dtype, out_sharding=None) -> jax.Array:
   r"""Quantized 2-D matmul :math:`(q_a s_a)(q_b s_b)` with per-row/per-column scales.
 
   ``lhs`` [M, C] gets one scale per row and ``rhs`` [C, N] one per column, so the
@@ -76,6 +78,8 @@ def scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_dtype, rhs_dtype,
     lhs_dtype: storage dtype of ``lhs`` codes.
     rhs_dtype: storage dtype of ``rhs`` codes.
     out_dtype: dtype of the result.
+    out_sharding: sharding of the result under an explicit-axis mesh (needed
+      when the contraction axis is sharded, as in a weight gradient), else None.
 
   Returns:
     [M, N] array of ``out_dtype``.
@@ -84,14 +88,25 @@ def scaled_matmul(lhs: jax.Array, rhs: jax.Array, lhs_dtype, rhs_dtype,
   q_rhs, s_rhs = quantize(rhs, 0, rhs_dtype)
   is_int = jnp.issubdtype(lhs_dtype, jnp.integer)
   acc = lax.dot_general(q_lhs, q_rhs, MATMUL_DIMS,
-                        preferred_element_type=jnp.int32 if is_int else jnp.float32)
+                        preferred_element_type=jnp.int32 if is_int else jnp.float32,
+                        **explicit_sharding.dot_kwargs(out_sharding))
+  if out_sharding is not None:
+    # The per-row / per-column scales get the result's row / column sharding, so
+    # the rescale never meets two shardings of one axis (a kernel sharded on K).
+    s_lhs = explicit_sharding.along_axis(s_lhs, out_sharding, 0)
+    s_rhs = explicit_sharding.along_axis(s_rhs, out_sharding, 1)
   return (acc.astype(jnp.float32) * s_lhs * s_rhs).astype(out_dtype)
 
 
-def bf16_matmul(lhs: jax.Array, rhs: jax.Array, out_dtype) -> jax.Array:
-  """[M, C] x [C, N] with bfloat16 operands and float32 accumulation."""
+def bf16_matmul(lhs: jax.Array, rhs: jax.Array, out_dtype, out_sharding=None
+                ) -> jax.Array:
+  """[M, C] x [C, N] with bfloat16 operands and float32 accumulation.
+
+  ``out_sharding``: the result's sharding under an explicit-axis mesh, else None.
+  """
   acc = lax.dot_general(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16),
-                        MATMUL_DIMS, preferred_element_type=jnp.float32)
+                        MATMUL_DIMS, preferred_element_type=jnp.float32,
+                        **explicit_sharding.dot_kwargs(out_sharding))
   return acc.astype(out_dtype)
 
 

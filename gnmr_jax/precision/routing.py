@@ -31,12 +31,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gnmr_jax.precision import explicit_sharding
 from gnmr_jax.precision import path as path_lib
 from gnmr_jax.precision import side_buffer
 
 
 def _aval_key(leaf):
-  return (tuple(leaf.shape), jnp.dtype(leaf.dtype))
+  # The sharding is part of an array's type under an explicit mesh (None otherwise):
+  # a slot shared by two branches must have one type for lax.cond.
+  return (tuple(leaf.shape), jnp.dtype(leaf.dtype), explicit_sharding.out_sharding(leaf))
 
 
 def merge_residual_slots(*branch_avals):
@@ -57,7 +60,8 @@ def merge_residual_slots(*branch_avals):
     tagged.append([(_aval_key(a), next(counts[_aval_key(a)])) for a in avals])
   order = list(dict.fromkeys(itertools.chain.from_iterable(tagged)))
   slot_of = {tag: i for i, tag in enumerate(order)}
-  slots = [jax.ShapeDtypeStruct(shape, dtype) for (shape, dtype), _ in order]
+  slots = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+           for (shape, dtype, sharding), _ in order]
   return slots, [[slot_of[t] for t in branch] for branch in tagged]
 
 
@@ -83,17 +87,18 @@ def routed_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
   def branch_forward(p, slots, slot_indices):
     def run(x, kernel):
       y, residuals = p.forward(x, kernel)
-      filled = [jnp.zeros(s.shape, s.dtype) for s in slots]
+      # Under an explicit mesh the zeros carry the slot's sharding (cond types match).
+      filled = [explicit_sharding.zeros(s) for s in slots]
       for leaf, i in zip(jax.tree.leaves(residuals), slot_indices):
         filled[i] = leaf
       return y, tuple(filled)
     return run
 
-  def branch_backward(p, tree, slot_indices):
+  def branch_backward(p, tree, slot_indices, x_type):
     treedef = jax.tree.structure(tree)
     def run(filled, x, kernel, g):
       residuals = jax.tree.unflatten(treedef, [filled[i] for i in slot_indices])
-      return p.backward(residuals, x if p.saves_input else None, kernel, g)
+      return p.backward(residuals, x if p.saves_input else x_type, kernel, g)
     return run
 
   def forward(x, kernel, recover):
@@ -110,16 +115,17 @@ def routed_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
     return forward(x, kernel, recover)[0]
 
   def dot_fwd(x, kernel, recover):
-    return forward(x, kernel, recover)
+    y, (filled, x_saved, kernel, recover) = forward(x, kernel, recover)
+    # x's type rides along as static structure (its sharding, when no path saves x).
+    return y, (filled, x_saved, kernel, recover, explicit_sharding.static_type(x))
 
   def dot_bwd_impl(saved, g):
-    filled, x, kernel, recover = saved
-    x_aval = jax.ShapeDtypeStruct((g.shape[0], kernel.shape[0]), g.dtype)
-    trees, _, indices = layout(x_aval, kernel)
+    filled, x, kernel, recover, x_type = saved
+    trees, _, indices = layout(x_type.aval, kernel)
     dx, dkernel = lax.cond(
         recover,
-        branch_backward(recovery, trees[1], indices[1]),
-        branch_backward(low_cost, trees[0], indices[0]),
+        branch_backward(recovery, trees[1], indices[1], x_type.aval),
+        branch_backward(low_cost, trees[0], indices[0], x_type.aval),
         filled, x, kernel, g)
     return dx, dkernel, None
 
@@ -174,7 +180,7 @@ def routed_side_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
       leaves = jax.tree.leaves(residuals) + ([x] if x_in_side else [])
       buffer = lax.dynamic_update_slice(
           buffer, side_buffer.pack(leaves), (jnp.zeros((), jnp.int32), side.offset))
-      return y, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), low_tree), buffer
+      return y, jax.tree.map(explicit_sharding.zeros, low_tree), buffer
 
     def run_low_cost(x, kernel, buffer):
       y, residuals = low_cost.forward(x, kernel)
@@ -191,37 +197,46 @@ def routed_side_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
   def dot(x, kernel, recover, side):
     return forward(x, kernel, recover, side)[0]
 
+  def dot_fwd(x, kernel, recover, side):
+    out, saved = forward(x, kernel, recover, side)
+    # x's type rides along as static structure, as in routed_dot.
+    return out, saved + (explicit_sharding.static_type(x),)
+
   def dot_bwd(saved, cotangents):
     g, side_cotangent = cotangents
-    low_residuals, x, kernel, take, offset = saved
+    low_residuals, x, kernel, take, offset, x_type = saved
+    x_type = x_type.aval
     rows = g.shape[0]
-    x_aval = jax.ShapeDtypeStruct((rows, kernel.shape[0]), g.dtype)
-    _, rec_tree, rec_avals = layout(x_aval, kernel)
+    _, rec_tree, rec_avals = layout(x_type, kernel)
     words = side_buffer.num_words(rec_avals)
     # The cotangent of the side buffer is the final buffer (side_buffer.attach).
     buffer = side_cotangent.buffer
     g = side_buffer.first_order_only(g)
+    x_low = x if low_cost.saves_input else x_type
     if buffer.shape[1] < words:
-      dx, dkernel = low_cost.backward(low_residuals, x, kernel, g)
+      dx, dkernel = low_cost.backward(low_residuals, x_low, kernel, g)
       return dx, dkernel, None, side_buffer.no_cotangent(buffer)
 
     def run_recovery(low_residuals, x, kernel, g, buffer):
       del low_residuals
       region = lax.dynamic_slice(buffer, (jnp.zeros((), jnp.int32), offset), (rows, words))
       leaves = side_buffer.unpack(region, rec_avals)
-      x_rec = leaves.pop() if x_in_side else x
+      # Unpacked rows shard like the buffer's; x goes back to its own type.
+      x_rec = explicit_sharding.retype(leaves.pop(), x_type) if x_in_side else x
       residuals = jax.tree.unflatten(jax.tree.structure(rec_tree), leaves)
-      return recovery.backward(residuals, x_rec if recovery.saves_input else None, kernel, g)
+      return recovery.backward(residuals, x_rec if recovery.saves_input else x_type,
+                               kernel, g)
 
     def run_low_cost(low_residuals, x, kernel, g, buffer):
       del buffer
-      return low_cost.backward(low_residuals, x, kernel, g)
+      return low_cost.backward(low_residuals, x if low_cost.saves_input else x_type,
+                               kernel, g)
 
     dx, dkernel = lax.cond(take, run_recovery, run_low_cost, low_residuals, x, kernel, g,
                            buffer)
     return dx, dkernel, None, side_buffer.no_cotangent(buffer)
 
-  dot.defvjp(forward, dot_bwd)
+  dot.defvjp(dot_fwd, dot_bwd)
   return dot
 
 

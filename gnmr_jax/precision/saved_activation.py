@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from gnmr_jax.precision import path as path_lib
-from gnmr_jax.precision import quantize, registry
+from gnmr_jax.precision import explicit_sharding, quantize, registry
 
 BF16_BITS = 16  # `bits` value meaning "store the exact bf16 activation".
 VALID_BITS = tuple(range(2, 9)) + (BF16_BITS,)
@@ -136,12 +136,15 @@ def saved_activation_path(bits: int, stochastic_rounding: bool = False, scale: s
     return quantize.bf16_matmul(x, kernel, x.dtype), (planes, x_scale)
 
   def backward(residuals, x, kernel, g):
-    del x  # Not saved: the weight gradient uses the dequantized activation.
+    # x is only its ShapeDtypeStruct (not saved): the weight gradient uses the
+    # dequantized activation, and dx takes x's sharding under an explicit mesh.
     planes, x_scale = residuals
     x_hat = dequantize_activation(planes, x_scale, bits, kernel.shape[0])
     # The output cotangent g has x's dtype.
-    return (quantize.bf16_matmul(g, kernel.T, g.dtype),
-            quantize.bf16_matmul(x_hat.T, g, kernel.dtype))
+    return (quantize.bf16_matmul(g, kernel.T, g.dtype,
+                                 explicit_sharding.out_sharding(x)),
+            quantize.bf16_matmul(x_hat.T, g, kernel.dtype,
+                                 explicit_sharding.out_sharding(kernel)))
 
   return path_lib.Path(forward=forward, backward=backward, saves_input=False)
 
