@@ -99,17 +99,19 @@ def base_config(steps=0):
 
 
 def arm_config(regime, arm, seed, steps=0):
-  """(config, hindsight?) of one e2e arm: a static arm or '<controller>[_max_o<k>]'."""
+  """The config of one e2e arm: a static arm or '<controller>[_max_o<k>][_every<K>]'
+  (max_o and the gap measurement period K overridden)."""
   low, rec, routed = REGIMES[regime]
   config = base_config(steps)
   if arm in STATIC_ARMS:
     config.precision.update(low if arm == "static_low" else rec)
   else:
-    name, _, max_o = arm.partition("_max_o")
+    rest, _, every = arm.partition("_every")
+    name, _, max_o = rest.partition("_max_o")
     overrides, gap_every = CONTROLLERS[name]
     config.precision.update(routed)
     config.gnmr.update(overrides)
-    config.diagnostics.recovery_gap_every = gap_every
+    config.diagnostics.recovery_gap_every = int(every) if every else gap_every
     if max_o:
       config.gnmr.max_o = int(max_o)
   config.train.seed = config.data.seed = seed
@@ -329,9 +331,10 @@ def main(argv=None):
     raise SystemExit(f"unknown regimes {unknown}; valid: {list(REGIMES)}")
   arms = [a for a in args.arms.split(",") if a] or list(STATIC_ARMS) + list(CONTROLLERS)
   for arm in arms:
-    if arm not in STATIC_ARMS and arm.partition("_max_o")[0] not in CONTROLLERS:
+    if arm not in STATIC_ARMS and arm.partition("_every")[0].partition("_max_o")[0] not in \
+        CONTROLLERS:
       raise SystemExit(f"unknown arm {arm!r}; valid: {list(STATIC_ARMS) + list(CONTROLLERS)} "
-                       "(+ '_max_o<k>')")
+                       "(+ '_max_o<k>', '_every<K>')")
   data = make_data(base_config(args.steps).data)
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   results = _load()

@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results", "selection_cpu.json")
 DEPLOYABLE = ("norm", "gap", "hybrid")   # controllers a user can run (no hindsight, no oracle)
 REFERENCES = ("oracle", "hindsight")
-ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "gap", "hybrid", "oracle",
-         "hindsight")
+ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "gap", "gap_every50", "hybrid",
+         "oracle", "hindsight", "norm_max_o2", "norm_max_o8")
 LABELS = {
     "static_low": "static low-cost", "static_rec": "static recovery (every unit)",
     "gnmr": "paper GNMR (`gnmr_jax.gnmr`)", "random": "random, same budget and lock",
@@ -30,6 +30,8 @@ LABELS = {
     "hybrid_default_thresholds": "hybrid at the default thresholds (alpha 2, beta 1.5)",
     "oracle": "lagged oracle: gap measured every step (priority 'oracle', K=1)",
     "hindsight": "hindsight static set: mlp/down of every layer",
+    "gap_every50": "measured gap, K=50 (priority 'gap')",
+    "norm_max_o2": "norm level, max_o 2", "norm_max_o8": "norm level, max_o 8",
 }
 REGIME_TEXT = {
     "tensor4": "4-bit saved activations, one scale per tensor, forward too / 8-bit",
@@ -114,7 +116,7 @@ def e2e_table(arms):
     for other in ("random", "gnmr"):
       vs.append("" if name in (other, "static_low", "static_rec") or other not in arms
                 else _fmt_pair(*paired(runs, arms[other])))
-    label = LABELS.get(name, name.replace("_max_o", ", max_o "))
+    label = LABELS.get(name, name)
     recovered = ("0 (static)" if name in ("static_low", "static_rec") else
                  _ms([r.get("recovered_unit_steps_pct") or 0 for r in runs], 1) + "%")
     rows.append(f"| {label} | {_ms([r['eval_loss'] for r in runs])} (n={len(runs)}) | "
