@@ -17,7 +17,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results", "selection_cpu.json")
-DEPLOYABLE = ("norm", "gap", "hybrid")   # controllers a user can run (no hindsight, no oracle)
+DEPLOYABLE = ("norm", "gap", "gap_every50", "hybrid")   # controllers a user can run (no hindsight, no oracle)
 REFERENCES = ("oracle", "hindsight")
 ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "gap", "gap_every50", "hybrid",
          "oracle", "hindsight", "norm_max_o2", "norm_max_o8")
