@@ -20,7 +20,7 @@ RESULTS = os.path.join(ROOT, "experiments", "results", "selection_cpu.json")
 DEPLOYABLE = ("norm", "gap", "gap_every50", "hybrid")   # controllers a user can run (no hindsight, no oracle)
 REFERENCES = ("oracle", "hindsight")
 ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "gap", "gap_every50", "hybrid",
-         "oracle", "hindsight", "norm_max_o2", "norm_max_o8")
+         "oracle", "hindsight", "norm_max_o2", "norm_max_o8", "gap_max_o2", "gap_max_o8")
 LABELS = {
     "static_low": "static low-cost", "static_rec": "static recovery (every unit)",
     "gnmr": "paper GNMR (`gnmr_jax.gnmr`)", "random": "random, same budget and lock",
@@ -32,6 +32,7 @@ LABELS = {
     "hindsight": "hindsight static set: mlp/down of every layer",
     "gap_every50": "measured gap, K=50 (priority 'gap')",
     "norm_max_o2": "norm level, max_o 2", "norm_max_o8": "norm level, max_o 8",
+    "gap_max_o2": "measured gap (K=10), max_o 2", "gap_max_o8": "measured gap (K=10), max_o 8",
 }
 REGIME_TEXT = {
     "tensor4": "4-bit saved activations, one scale per tensor, forward too / 8-bit",
