@@ -2,10 +2,15 @@
 
 For unit u at step t, with the gradients of the same params and batch computed twice,
 once as the step trains (g_used: the units outside the recovery mask on the low-cost
-path) and once with every unit on the recovery path (g_rec):
+path, the units in it on the recovery path) and once with every unit *swapped* to the
+other path (g_swap: the mask's units on the low-cost path, every other unit recovered):
 
-  e_u     = ||g_used,u - g_rec,u||_F       (the recovery gap)
-  e_rel_u = e_u / ||g_rec,u||_F            (0/0 = 0, x/0 = +inf)
+  e_u     = ||g_used,u - g_swap,u||_F      (the recovery gap: one side is u's low-cost
+                                            gradient, the other its recovery gradient)
+  e_rel_u = e_u / ||g_rec,u||_F            (g_rec,u: whichever side recovered u; 0/0 = 0)
+
+so one extra pass measures every unit, also those recovered on that step. With an empty
+mask (static low-cost mode) the swapped pass is simply every unit on the recovery path.
 
 What it measures depends on the regime:
   * Only the weight gradient differs (saved activations quantized for the backward
@@ -14,9 +19,12 @@ What it measures depends on the regime:
   * The forward differs too (int8/fp8 operands, ``saved_activation_forward=True``,
     blockwise): the loss and the upstream gradients change, so e_u is the total effect
     on u of *every* unit's low-cost path (recovering u alone does not remove all of it).
-  * A unit that ran the recovery path on the measured step (in the mask) shows its
-    residual gap only; such units are marked not ``valid``, and controllers keep their
-    previous estimate for them.
+  * With a non-empty mask, the swapped pass changes every unit's path at once, so in the
+    forward-quantized regimes a recovered unit's e_u is measured with the *other* units on
+    the opposite paths too: the same kind of total effect, from the other side.
+  * :func:`unit_gaps` with ``swapped=False`` takes g_rec (every unit recovered) instead;
+    units in the mask then show only a residual gap and are marked not ``valid``, and a
+    controller keeps their previous estimate (so recovered units are never re-measured).
 
 Cost: one extra forward + backward (every unit on the recovery path) per measured
 step, so about 1/K of a step's cost when measured every K steps.
@@ -60,15 +68,19 @@ def _per_unit(vectors, layout, treedef, dtype):
   return controller_lib._unflat(vec, layout, treedef, dtype)  # pylint: disable=protected-access
 
 
-def unit_gaps(grads_used, grads_rec, mask_used=None, *, units=None, layer_axis=None,
-              measured: Any = True) -> RecoveryGap:
+def unit_gaps(grads_used, grads_other, mask_used=None, *, swapped: bool = True, units=None,
+              layer_axis=None, measured: Any = True) -> RecoveryGap:
   """e_u, ||g_rec,u|| and validity per unit from two gradient trees of the same params.
 
   Args:
     grads_used: gradients as the step computed them (mask units recovered).
-    grads_rec: gradients with every unit on the recovery path.
+    grads_other: with ``swapped`` (default), gradients with every unit on the other path
+      than in ``grads_used`` (``swapped_mask(mask_used)``); else gradients with every unit
+      on the recovery path.
     mask_used: the recovery mask of the step (bool tree like the controller's), or None
       when every unit ran the low-cost path (static mode).
+    swapped: what ``grads_other`` is (above). Without it, units in ``mask_used`` are not
+      valid (their measured gap is only a residual).
     units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
     measured: bool scalar; False marks every unit not valid (a step that did not measure).
 
@@ -77,21 +89,38 @@ def unit_gaps(grads_used, grads_rec, mask_used=None, *, units=None, layer_axis=N
   """
   layout = _layout(grads_used, units, layer_axis)
   leaves_used, treedef = jax.tree_util.tree_flatten(grads_used)
-  leaves_rec = treedef.flatten_up_to(grads_rec)
+  leaves_other = treedef.flatten_up_to(grads_other)
   diff = [jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32)
-          for a, b in zip(leaves_used, leaves_rec)]
+          for a, b in zip(leaves_used, leaves_other)]
   gap = _per_unit(units_lib.unit_norms(diff, layout), layout, treedef, jnp.float32)
-  rec_norm = _per_unit(units_lib.unit_norms(leaves_rec, layout), layout, treedef, jnp.float32)
-  measured = jnp.asarray(measured, jnp.bool_)
+  other_norm = _per_unit(units_lib.unit_norms(leaves_other, layout), layout, treedef,
+                         jnp.float32)
   if mask_used is None:
-    ran_low = jax.tree_util.tree_map(lambda g: jnp.ones(jnp.shape(g), jnp.bool_), gap)
+    in_mask = jax.tree_util.tree_map(lambda g: jnp.zeros(jnp.shape(g), jnp.bool_), gap)
   else:
-    ran_low = jax.tree_util.tree_map(lambda m: ~jnp.asarray(m, jnp.bool_), mask_used)
+    in_mask = jax.tree_util.tree_map(lambda m: jnp.asarray(m, jnp.bool_), mask_used)
+  rec_norm = other_norm
+  if swapped and mask_used is not None:  # u's recovery gradient is on the used side
+    used_norm = _per_unit(units_lib.unit_norms(leaves_used, layout), layout, treedef,
+                          jnp.float32)
+    rec_norm = jax.tree_util.tree_map(jnp.where, in_mask, used_norm, other_norm)
+  measured = jnp.asarray(measured, jnp.bool_)
   is_unit = [u.is_unit for u in layout]
-  valid_leaves = [jnp.logical_and(measured, r) if keep else jnp.zeros((), jnp.bool_)
-                  for r, keep in zip(jax.tree_util.tree_leaves(ran_low), is_unit)]
+  valid_leaves = [measured & (jnp.ones_like(m) if swapped else ~m) if keep
+                  else jnp.zeros((), jnp.bool_)
+                  for m, keep in zip(jax.tree_util.tree_leaves(in_mask), is_unit)]
   return RecoveryGap(gap=gap, rec_norm=rec_norm,
                      valid=jax.tree_util.tree_unflatten(treedef, valid_leaves))
+
+
+def swapped_mask(mask_used, params, *, units=None, layer_axis=None):
+  """The mask of the measuring pass: every unit on the other path than in ``mask_used``
+  (all units recovered when ``mask_used`` is None)."""
+  everything = all_recovered_mask(params, units=units, layer_axis=layer_axis)
+  if mask_used is None:
+    return everything
+  return jax.tree_util.tree_map(lambda every, m: every & ~jnp.asarray(m, jnp.bool_),
+                                everything, mask_used)
 
 
 def not_measured(params, *, units=None, layer_axis=None) -> RecoveryGap:
@@ -119,8 +148,8 @@ def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *
   Args:
     loss_fn: ``loss_fn(params, batch, recovery_mask) -> scalar loss`` of a model whose
       units are routed by ``recovery_mask`` (e.g. ``policy.dot_general(mask[...])``
-      with a policy in mode 'gnmr' and per-unit residual storage: every unit is
-      recovered on the second pass). ``recovery_mask=None`` must mean "every unit
+      with a policy in mode 'gnmr' and per-unit residual storage: the second pass may
+      recover every unit). ``recovery_mask=None`` must mean "every unit
       on the low-cost path".
     params: the params.
     batch: the batch.
@@ -147,9 +176,9 @@ def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *
   """
   if grads_used is None:
     grads_used = jax.grad(loss_fn)(params, batch, mask_used)
-  everything = all_recovered_mask(params, units=units, layer_axis=layer_axis)
-  grads_rec = jax.grad(loss_fn)(params, batch, everything)
-  return unit_gaps(grads_used, grads_rec, mask_used, units=units, layer_axis=layer_axis)
+  swapped = swapped_mask(mask_used, params, units=units, layer_axis=layer_axis)
+  grads_swapped = jax.grad(loss_fn)(params, batch, swapped)
+  return unit_gaps(grads_used, grads_swapped, mask_used, units=units, layer_axis=layer_axis)
 
 
 def recovery_policy(precision_config):

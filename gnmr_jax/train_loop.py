@@ -112,11 +112,15 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, inject
       units, layer_axis = unit_selectors
 
       def measure(_):
-        def recovery_loss(params):
-          logits = gap_model.apply({"params": params}, batch["inputs"])
+        swapped = None if mask is None else recovery_gap.swapped_mask(
+            mask, state.params, units=units, layer_axis=layer_axis)
+
+        def swapped_loss(params):
+          logits = gap_model.apply({"params": params}, batch["inputs"], recovery_mask=swapped)
           return cross_entropy(logits, batch["targets"])[0]
-        grads_rec = jax.grad(recovery_loss)(state.params)
-        return recovery_gap.unit_gaps(grads, grads_rec, mask, units=units, layer_axis=layer_axis)
+        grads_swapped = jax.grad(swapped_loss)(state.params)
+        return recovery_gap.unit_gaps(grads, grads_swapped, mask, units=units,
+                                      layer_axis=layer_axis)
 
       def skip(_):
         return recovery_gap.not_measured(state.params, units=units, layer_axis=layer_axis)
@@ -225,10 +229,17 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
       step=replicated, params=param_sh,
       opt_state=_opt_state_shardings(abstract.opt_state, abstract.params, param_sh, replicated),
       rng=replicated)
-  gap_every = config.diagnostics.recovery_gap_every if "diagnostics" in config else 0
+  # The gap is logged per controller unit: no controller, no measurement.
+  gap_every = (config.diagnostics.recovery_gap_every
+               if "diagnostics" in config and config.gnmr.enabled else 0)
   gap_model = None
-  if gap_every:  # the same params, every projection on the recovery path
-    gap_model = Transformer(model_config, recovery_gap.recovery_policy(config.precision))
+  if gap_every:  # the same params; each projection on the other path than in the step
+    if policy.routed:  # routed by the swapped mask; per-unit slots: any number recovered
+      gap_precision = ml_collections.ConfigDict(config.precision.to_dict())
+      gap_precision.recovery_storage = "per_unit"
+      gap_model = Transformer(model_config, make_policy(gap_precision))
+    else:  # static: the swapped pass is every projection on the recovery path (no conds)
+      gap_model = Transformer(model_config, recovery_gap.recovery_policy(config.precision))
   unit_flags = []
   unit_names = []
   layout = _unit_layout(config.gnmr.units, config.gnmr.layer_axis, abstract.params)

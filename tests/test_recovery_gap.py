@@ -29,7 +29,8 @@ def test_unit_gaps_match_float64_numpy_per_unit_and_layer():
           "w": rng.normal(size=(4, 6)).astype(np.float32), "b": np.ones(6, np.float32)}
   rec = jax.tree.map(lambda g: (g + 0.1 * rng.normal(size=g.shape)).astype(np.float32), used)
   mask = {"stack": np.array([False, True, False]), "w": np.array(True), "b": np.array(False)}
-  gap = recovery_gap.unit_gaps(used, rec, mask, layer_axis="stack")
+  # `rec` as every unit recovered (swapped=False): units in the mask show a residual only.
+  gap = recovery_gap.unit_gaps(used, rec, mask, layer_axis="stack", swapped=False)
   d = {k: used[k].astype(np.float64) - rec[k].astype(np.float64) for k in used}
   want_stack = np.sqrt((d["stack"] ** 2).sum(axis=(1, 2)))
   np.testing.assert_allclose(gap.gap["stack"], want_stack, rtol=_norm_rtol(40))
@@ -43,6 +44,19 @@ def test_unit_gaps_match_float64_numpy_per_unit_and_layer():
   assert not bool(gap.valid["w"]) and not bool(gap.valid["b"])
   none = recovery_gap.unit_gaps(used, rec, mask, layer_axis="stack", measured=False)
   assert not np.any(np.asarray(none.valid["stack"]))
+  # `rec` as the swapped pass (the default): every unit is measured, and a masked unit's
+  # recovery gradient is the one the step used.
+  swapped = recovery_gap.unit_gaps(used, rec, mask, layer_axis="stack")
+  np.testing.assert_array_equal(swapped.valid["stack"], [True, True, True])
+  assert bool(swapped.valid["w"]) and not bool(swapped.valid["b"])
+  np.testing.assert_array_equal(swapped.gap["stack"], gap.gap["stack"])
+  used_stack = np.sqrt((used["stack"].astype(np.float64) ** 2).sum(axis=(1, 2)))
+  np.testing.assert_allclose(swapped.rec_norm["stack"][1], used_stack[1], rtol=_norm_rtol(40))
+  np.testing.assert_allclose(swapped.rec_norm["w"], np.sqrt((used["w"].astype(np.float64) ** 2
+                                                             ).sum()), rtol=_norm_rtol(24))
+  sw = recovery_gap.swapped_mask(mask, used, layer_axis="stack")
+  np.testing.assert_array_equal(sw["stack"], [True, False, True])
+  assert not bool(sw["w"]) and not bool(sw["b"])
   skipped = recovery_gap.not_measured(used, layer_axis="stack")
   assert jax.tree.structure(skipped) == jax.tree.structure(gap)
   jax.tree.map(lambda a, b: a.shape == b.shape and a.dtype == b.dtype or (_ for _ in ()).throw(
@@ -158,5 +172,9 @@ def test_gap_priority_run_resumes_bit_for_bit(tmp_path, data_dirs):
     a, b = read(tmp_path / "a", f), read(tmp_path / "b", f)
     assert [{k: v for k, v in r.items() if k not in ("steps_per_s", "tokens_per_s")} for r in a] \
         == [{k: v for k, v in r.items() if k not in ("steps_per_s", "tokens_per_s")} for r in b]
+  # The swapped pass measures the units recovered on that step too (the int8 gap is > 0).
+  row = read(tmp_path / "a", metrics_log.GAP_FILE)[-1]
+  assert row["step"] == 3 and sum(row["mask"]) == 2
+  assert all(g > 0 for g, m in zip(row["gap"], row["mask"]) if m)
   masks = [r["mask"] for r in read(tmp_path / "a", metrics_log.UNITS_FILE)]
   assert sum(map(sum, masks)) == 2 * (4 - 2)  # max_o units from step 2 (warmup 1) on
