@@ -82,10 +82,13 @@ CONTROLLERS = {
     "random": ({"priority": "random"}, 0),
     "norm": ({"priority": "norm"}, 0),
     "gap": ({"priority": "gap"}, GAP_EVERY),
+    # The same with the 'recovery' measuring pass: recovered units keep their estimate.
+    "gaprec": ({"priority": "gap"}, GAP_EVERY),
     # The paper's transient alarm at the thresholds that catch x5 spikes at 0.26% of unit-steps
     # (THRESHOLDS.md); at the defaults (2, 1.5) it flags 8% of unit-steps and crowds out the fill.
     "hybrid": ({"priority": "hybrid", "alpha": 4.0, "beta": 3.0}, 0),
-    "oracle": ({"priority": "oracle"}, 1),
+    # Lagged oracle: the top max_o by e_u(t), used at t + 1, no lock holding it back.
+    "oracle": ({"priority": "oracle", "t_lock": 0}, 1),
     "hindsight": ({"priority": "norm"}, 0),  # mask replaced by the fixed set (make_tx below)
 }
 STATIC_ARMS = ("static_low", "static_rec")
@@ -112,6 +115,8 @@ def arm_config(regime, arm, seed, steps=0):
     config.precision.update(routed)
     config.gnmr.update(overrides)
     config.diagnostics.recovery_gap_every = int(every) if every else gap_every
+    if name == "gaprec":
+      config.diagnostics.recovery_gap_pass = "recovery"
     if max_o:
       config.gnmr.max_o = int(max_o)
   config.train.seed = config.data.seed = seed
@@ -119,7 +124,8 @@ def arm_config(regime, arm, seed, steps=0):
 
 
 def hindsight_tx(config):
-  """The configured chain whose mask is always the hindsight set (every layer's mlp/down)."""
+  """The configured chain whose mask is always the hindsight set (every layer's mlp/down: as
+  many units as layers, which is max_o = 4 for the 4-layer CPU model; max_o is not read)."""
   import re  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -269,7 +275,7 @@ def quality_run(regime, seed, steps, data):
   measured = np.ones(len(gaps), bool)
   replays = dict(CONTROLLERS)
   replays["hybrid_default_thresholds"] = ({"priority": "hybrid"}, 0)
-  del replays["hindsight"]
+  del replays["hindsight"], replays["gaprec"]  # static run: both measuring passes are the same
   for name, (overrides, gap_every) in replays.items():
     rg = ml_collections.ConfigDict(g.to_dict())
     rg.update(overrides)

@@ -29,7 +29,7 @@ CORRUPTED_DIR = "checkpoints_corrupted"
 FINGERPRINT_FIELDS = {
     "model": None,  # the whole model group
     "data": ("dataset", "tokenizer", "vocab_size", "seq_len", "batch_size", "seed"),
-    "gnmr": ("enabled", "units", "layer_axis", "delta"),
+    "gnmr": ("enabled", "units", "layer_axis", "delta", "priority"),  # priority: state type
     "optimizer": ("nonfinite",),
 }
 

@@ -24,6 +24,7 @@ from gnmr_jax.precision.config import default_precision_config, validate_config 
 from gnmr_jax.selection import GAP_PRIORITIES, PRIORITIES
 
 NONFINITE_POLICIES = ("skip", "zero", "none")
+GAP_PASSES = ("swapped", "recovery")
 GROUPS = ("model", "data", "train", "optimizer", "gnmr", "precision", "checkpoint", "logging", "mesh",
           "faults", "diagnostics")
 # Groups a config may omit (configs written before they existed); they default to off.
@@ -52,10 +53,12 @@ def gnmr_config() -> ml_collections.ConfigDict:
   c.units = r"layers/(attn|mlp)/(q|k|v|o|gate|up|down)/kernel"
   # Regex selecting layer-stacked leaves whose axis-0 slices are separate units.
   c.layer_axis = r"^layers/"
-  # How the max_o units are ranked (gnmr_jax.selection): 'gnmr' (the paper's rule, above),
-  # 'norm' (gradient-norm level), 'gap' (measured recovery gap; needs
-  # diagnostics.recovery_gap_every > 0), 'oracle' (the last measured gap alone), 'hybrid'
-  # (the paper's transient risk first, the norm level fills the budget) or 'random'.
+  # How the max_o units are ranked (gnmr_jax.selection): 'gap' (measured recovery gap; needs
+  # diagnostics.recovery_gap_every > 0), 'gnmr' (the paper's rule: alpha, beta, delta above),
+  # 'norm' (gradient-norm level), 'oracle' (the last measured gap alone), 'hybrid' (the paper's
+  # transient risk first, the norm level fills the budget) or 'random'. 'gap' is the default
+  # because it recovered where the low-cost path hurts best in the selection experiment
+  # (RESULTS.md, "Selection"); alpha/beta/delta then only feed telemetry.
   c.priority = "gnmr"
   # 'gap' only: weight of the old estimate when a new measurement arrives, in [0, 1).
   c.gap_decay = 0.0
@@ -63,12 +66,17 @@ def gnmr_config() -> ml_collections.ConfigDict:
 
 
 def diagnostics_config() -> ml_collections.ConfigDict:
-  """Measurements that cost extra compute, off by default."""
+  """Measurements that cost extra compute (the recovery gap, which gnmr.priority='gap' ranks by)."""
   c = ml_collections.ConfigDict()
   # Every this many steps (at steps 1, 1 + K, ...), also compute the gradients with every unit
-  # on the recovery path and log the per-unit recovery gap (gnmr_jax/recovery_gap.py); it
-  # feeds gnmr.priority='gap'/'oracle'. 0: never. Costs one extra forward+backward per measure.
+  # swapped to its other path and log the per-unit recovery gap (gnmr_jax/recovery_gap.py); it
+  # feeds gnmr.priority='gap'/'oracle'. 0: never. Costs one extra forward+backward per measure
+  # (benchmarks/recovery_gap_overhead.py); ignored when gnmr.enabled is False.
   c.recovery_gap_every = 0
+  # What the measuring pass runs: 'swapped' (each unit on the other path than in the step, so
+  # every unit is measured) or 'recovery' (every unit recovered; units in the mask then show
+  # only a residual and keep their previous estimate, so a recovered unit is never re-measured).
+  c.recovery_gap_pass = "swapped"
   return c
 
 
@@ -243,21 +251,25 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   _int(g, "gnmr", "max_o", 0)
   _int(g, "gnmr", "t_lock", 0)
   _int(g, "gnmr", "warmup", 0)
-  if g.priority not in PRIORITIES:
-    raise ValueError(f"config.gnmr.priority must be one of {list(PRIORITIES)}, got {g.priority!r}.")
-  _float(g, "gnmr", "gap_decay", 0.0, inclusive=True)
-  if g.gap_decay >= 1:
+  # A config written before priorities existed means the paper's rule (as optim reads it).
+  priority = g.get("priority", "gnmr")
+  if priority not in PRIORITIES:
+    raise ValueError(f"config.gnmr.priority must be one of {list(PRIORITIES)}, got {priority!r}.")
+  if "gap_decay" in g:
+    _float(g, "gnmr", "gap_decay", 0.0, inclusive=True)
+  if g.get("gap_decay", 0.0) >= 1:
     raise ValueError(f"config.gnmr.gap_decay must be in [0, 1), got {g.gap_decay!r}.")
   gap_every = config.diagnostics.recovery_gap_every if "diagnostics" in config else 0
   if "diagnostics" in config:
     _int(config.diagnostics, "diagnostics", "recovery_gap_every", 0)
-  if g.enabled and g.priority in GAP_PRIORITIES and not gap_every:
-    raise ValueError(f"config.gnmr.priority={g.priority!r} ranks units by a measured recovery "
+    gap_pass = config.diagnostics.get("recovery_gap_pass", "swapped")
+    if gap_pass not in GAP_PASSES:
+      raise ValueError(f"config.diagnostics.recovery_gap_pass must be one of {list(GAP_PASSES)}, "
+                       f"got {gap_pass!r}.")
+  if g.enabled and priority in GAP_PRIORITIES and not gap_every:
+    raise ValueError(f"config.gnmr.priority={priority!r} ranks units by a measured recovery "
                      "gap: set config.diagnostics.recovery_gap_every to K > 0 (measure every K "
                      "steps).")
-  if gap_every and not g.enabled:
-    raise ValueError("config.diagnostics.recovery_gap_every > 0 needs config.gnmr.enabled=True "
-                     "(the gap is logged per controller unit).")
   if config.precision.mode == "gnmr" and not g.enabled:
     raise ValueError("config.precision.mode='gnmr' needs config.gnmr.enabled=True "
                      "(the recovery mask comes from the controller).")

@@ -26,8 +26,8 @@ What it measures depends on the regime:
     units in the mask then show only a residual gap and are marked not ``valid``, and a
     controller keeps their previous estimate (so recovered units are never re-measured).
 
-Cost: one extra forward + backward (every unit on the recovery path) per measured
-step, so about 1/K of a step's cost when measured every K steps.
+Cost: one extra forward + backward (every unit swapped) per measured step, so about
+1/K of a step's cost when measured every K steps.
 
 Example:
   >>> import jax.numpy as jnp
@@ -53,9 +53,9 @@ from gnmr_jax import units as units_lib
 
 class RecoveryGap(NamedTuple):
   """Per-unit trees shaped like the recovery mask (leaf () or (L,); non-units scalar 0/False)."""
-  gap: Any        # float32: e_u = ||g_used,u - g_rec,u||
-  rec_norm: Any   # float32: ||g_rec,u||
-  valid: Any      # bool: measured on this step and u ran the low-cost path
+  gap: Any        # float32: e_u = ||g_used,u - g_swap,u|| (or g_rec with swapped=False)
+  rec_norm: Any   # float32: ||g_rec,u||, u's gradient on the recovery path
+  valid: Any      # bool: measured on this step (and, with swapped=False, u ran low-cost)
 
 
 def _layout(tree, units, layer_axis):
@@ -64,7 +64,10 @@ def _layout(tree, units, layer_axis):
 
 
 def _per_unit(vectors, layout, treedef, dtype):
-  vec = jnp.concatenate([jnp.reshape(v, (-1,)) for v in vectors]) if vectors else jnp.zeros((0,))
+  # Replicated first: under explicit-axis meshes per-layer norms of layer-sharded leaves
+  # carry different shardings, which concatenate refuses (as in the controller).
+  vec = (jnp.concatenate([controller_lib._replicated(jnp.reshape(v, (-1,)))  # pylint: disable=protected-access
+                          for v in vectors]) if vectors else jnp.zeros((0,)))
   return controller_lib._unflat(vec, layout, treedef, dtype)  # pylint: disable=protected-access
 
 
@@ -87,6 +90,7 @@ def unit_gaps(grads_used, grads_other, mask_used=None, *, swapped: bool = True, 
   Returns:
     A :class:`RecoveryGap`.
   """
+  grads_used, grads_other = units_lib.unbox(grads_used), units_lib.unbox(grads_other)
   layout = _layout(grads_used, units, layer_axis)
   leaves_used, treedef = jax.tree_util.tree_flatten(grads_used)
   leaves_other = treedef.flatten_up_to(grads_other)
@@ -125,6 +129,7 @@ def swapped_mask(mask_used, params, *, units=None, layer_axis=None):
 
 def not_measured(params, *, units=None, layer_axis=None) -> RecoveryGap:
   """A RecoveryGap of zeros with nothing valid: what a step that does not measure passes."""
+  params = units_lib.unbox(params)
   layout = _layout(params, units, layer_axis)
   treedef = jax.tree_util.tree_structure(params)
   zeros = [jnp.zeros((u.num_units,), jnp.float32) for u in layout if u.is_unit]
@@ -135,6 +140,7 @@ def not_measured(params, *, units=None, layer_axis=None) -> RecoveryGap:
 
 def all_recovered_mask(params, *, units=None, layer_axis=None):
   """A recovery mask (bool tree like the controller's) with every unit True."""
+  params = units_lib.unbox(params)
   layout = _layout(params, units, layer_axis)
   treedef = jax.tree_util.tree_structure(params)
   ones = [jnp.ones((u.num_units,), jnp.bool_) for u in layout if u.is_unit]

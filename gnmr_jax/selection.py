@@ -8,12 +8,12 @@ by one of these priorities:
   'norm'    the raw gradient-norm level ||g_u(t)||: the units with the largest
             gradients run the recovery path at t + 1. Free: the controller
             computes the norms anyway.
-  'gap'     a measured recovery gap e_u = ||g_low,u - g_rec,u||, passed in by the
-            train step every K steps (``recovery_gap=`` extra argument, a
-            :class:`gnmr_jax.recovery_gap.RecoveryGap`); each unit keeps the
-            estimate est <- gap_decay * est + (1 - gap_decay) * e_u (the first
-            measurement is taken as is), updated only where the measurement is
-            valid (the unit ran the low-cost path on the measured step).
+  'gap'     a measured recovery gap e_u (gnmr_jax/recovery_gap.py: u's low-cost
+            against its recovery gradient), passed in by the train step every K
+            steps (``recovery_gap=`` extra argument, a RecoveryGap); each unit
+            keeps the estimate est <- gap_decay * est + (1 - gap_decay) * e_u (the
+            first measurement is taken as is), updated where the measurement is
+            ``valid`` (every unit with the train loop's swapped measuring pass).
   'oracle'  'gap' with ``gap_decay=0``: the last measurement alone. Measured at
             every step it is the lagged oracle (top-max_o by e_u(t), used at
             t + 1), a baseline rather than a deployable controller.
@@ -23,14 +23,15 @@ by one of these priorities:
 
 Rules shared by every priority except 'gnmr', for the mask of step t + 1:
 
-  tier     = 3 if n_t is not finite; 'hybrid' only: 2 if risky by the paper's rule
-             (then ranked by the paper's score r); 1 if lock > 0; else 0
+  tier     = 3 if n_t is not finite (not for 'random', which stays uniform); 'hybrid'
+             only: 2 if risky by the paper's rule (then ranked by the paper's score r);
+             1 if lock > 0; else 0
   mask     = the max_o units first by tier, then by priority (ties: tree order)
   lock     = t_lock for a unit that enters the mask (not in the mask of step t),
              lock - 1 for a locked unit, else 0
 
 so a unit that enters the mask stays in it for at least t_lock + 1 steps (unless
-non-finite units take its place), the active set does not thrash between units of
+non-finite units, or for 'hybrid' risky ones, take its place), the active set does not thrash between units of
 nearly equal priority, and a non-finite gradient is recovered at once. Every unit
 is a candidate (these priorities are persistent signals, not alarms), so the mask
 holds min(max_o, N) units every step after warmup.
@@ -131,7 +132,12 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
                          gap_count=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm_count))
 
   def update_fn(updates, state, params=None, recovery_gap=None, **extra_args):
-    updates, ctl = inner.update(updates, state.controller, params, **extra_args)
+    # The inner controller never selects; it gets no lock, so its candidate count stays the
+    # paper's alarm count (risky units) instead of counting this controller's locks.
+    lock_tree = state.controller.lock
+    inner_state = state.controller._replace(
+        lock=jax.tree_util.tree_map(jnp.zeros_like, lock_tree))
+    updates, ctl = inner.update(updates, inner_state, params, **extra_args)
     layout = units_lib.resolve_units(updates, unit_selector, axis_selector)
     num_units = sum(u.num_units for u in layout)
     if num_units == 0:
@@ -140,7 +146,7 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     step = ctl.count
     norm = flat(ctl.norm, layout)
     prev_mask = flat(state.controller.mask, layout)
-    lock = flat(state.controller.lock, layout)
+    lock = flat(lock_tree, layout)
     gap, gap_count = flat(state.gap, layout), flat(state.gap_count, layout)
 
     if recovery_gap is not None:
@@ -164,7 +170,8 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
       risky = flat(ctl.risky, layout)
       tier = jnp.where(risky, 2, tier)
       value = jnp.where(risky, flat(ctl.score, layout), value)
-    tier = jnp.where(finite, tier, 3)
+    if priority != "random":
+      tier = jnp.where(finite, tier, 3)
     # lexsort: the last key is the primary one; it is stable, so ties keep tree order.
     order = jnp.lexsort((-value, -tier))
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(num_units, dtype=order.dtype))
@@ -173,7 +180,7 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
                          jnp.where(lock > 0, lock - 1, 0)).astype(jnp.int32)
 
     num_active = jnp.sum(selected, dtype=jnp.int32)
-    tel = ctl.telemetry  # num_risky / num_candidates stay the paper's (alarm) counts
+    tel = ctl.telemetry  # num_risky / num_candidates stay the paper's alarm counts
     telemetry = tel._replace(
         num_active=num_active,
         num_locked=jnp.sum(new_lock > 0, dtype=jnp.int32),

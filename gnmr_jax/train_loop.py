@@ -80,7 +80,8 @@ def _unit_layout(unit_regex, layer_regex, params) -> list:
 
 
 def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, injector=None,
-                     gap_model=None, gap_every: int = 0, unit_selectors=(None, None)):
+                     gap_model=None, gap_every: int = 0, unit_selectors=(None, None),
+                     swap: bool = True):
   def select(tree):
     leaves = [l for l, keep in zip(jax.tree_util.tree_leaves(tree), unit_flags) if keep]
     return jnp.concatenate([jnp.ravel(l) for l in leaves]) if leaves else jnp.zeros((0,))
@@ -112,14 +113,14 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, inject
       units, layer_axis = unit_selectors
 
       def measure(_):
-        swapped = None if mask is None else recovery_gap.swapped_mask(
+        swapped = None if (mask is None or not swap) else recovery_gap.swapped_mask(
             mask, state.params, units=units, layer_axis=layer_axis)
 
         def swapped_loss(params):
           logits = gap_model.apply({"params": params}, batch["inputs"], recovery_mask=swapped)
           return cross_entropy(logits, batch["targets"])[0]
         grads_swapped = jax.grad(swapped_loss)(state.params)
-        return recovery_gap.unit_gaps(grads, grads_swapped, mask, units=units,
+        return recovery_gap.unit_gaps(grads, grads_swapped, mask, swapped=swap, units=units,
                                       layer_axis=layer_axis)
 
       def skip(_):
@@ -233,12 +234,15 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   gap_every = (config.diagnostics.recovery_gap_every
                if "diagnostics" in config and config.gnmr.enabled else 0)
   gap_model = None
+  swap = (config.diagnostics.get("recovery_gap_pass", "swapped") == "swapped"
+          if "diagnostics" in config else True)
   if gap_every:  # the same params; each projection on the other path than in the step
-    if policy.routed:  # routed by the swapped mask; per-unit slots: any number recovered
+    if policy.routed and swap:  # routed by the swapped mask; per-unit slots: any number recovered
       gap_precision = ml_collections.ConfigDict(config.precision.to_dict())
       gap_precision.recovery_storage = "per_unit"
       gap_model = Transformer(model_config, make_policy(gap_precision))
-    else:  # static: the swapped pass is every projection on the recovery path (no conds)
+    else:  # every projection on the recovery path (no conds): the swapped pass of a static
+      # step, or the 'recovery' pass
       gap_model = Transformer(model_config, recovery_gap.recovery_policy(config.precision))
   unit_flags = []
   unit_names = []
@@ -258,7 +262,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   schedule = learning_rate_schedule(config.optimizer, config.train.steps)
   batch_sh = sharding.batch_sharding(mesh)
   step_fn = _make_train_step(model, tx, policy.routed, unit_flags, schedule, injector,
-                             gap_model=gap_model, gap_every=gap_every,
+                             gap_model=gap_model, gap_every=gap_every, swap=swap,
                              unit_selectors=(config.gnmr.units or None,
                                              config.gnmr.layer_axis or None))
   train_step = jax.jit(step_fn,

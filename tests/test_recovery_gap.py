@@ -139,15 +139,18 @@ def test_train_step_logs_the_gap_against_an_independent_recovery_gradient(tmp_pa
     if name.endswith("kernel") and name.startswith("layers/"):
       d = np.asarray(leaf_low, np.float64) - np.asarray(leaf_rec, np.float64)
       want.append((name, np.sqrt((d ** 2).reshape(d.shape[0], -1).sum(axis=1)),
-                   np.sqrt((np.asarray(leaf_rec, np.float64) ** 2).reshape(d.shape[0], -1).sum(1))))
+                   np.sqrt((np.asarray(leaf_rec, np.float64) ** 2).reshape(d.shape[0], -1).sum(1)),
+                   leaf_rec[0].size))
   got = np.array(rows[0]["gap"])
   offset = 0
-  for name, gap_l, rec_l in want:
+  for name, gap_l, rec_l, unit_size in want:
     n = len(gap_l)
-    # The logged value is float32 rounded to 7 significant digits; XLA may fuse the two
-    # programs differently: a few eps of each unit's gradient size.
-    np.testing.assert_allclose(got[offset:offset + n], gap_l, rtol=1e-6 + _norm_rtol(
-        jax.tree.leaves(g_low)[0].size), atol=16 * EPS * rec_l.max(), err_msg=name)
+    # The logged value is float32 rounded to 7 significant digits (5e-7 relative); the norm of
+    # a unit's unit_size elements (_norm_rtol); and XLA may fuse the train step and these
+    # programs differently, which moves each gradient element by a few eps of its own size:
+    # e_u is then off by up to ~16 eps x ||g_rec,u|| of that unit.
+    assert np.all(np.abs(got[offset:offset + n] - gap_l) <= (5e-7 + _norm_rtol(unit_size)) * gap_l
+                  + 16 * EPS * rec_l), name
     offset += n
   assert offset == len(got) and got.max() > 0
   assert 0 < rows[0]["concentration"] <= 1 and 0 <= rows[0]["coverage"] <= 1
@@ -177,4 +180,5 @@ def test_gap_priority_run_resumes_bit_for_bit(tmp_path, data_dirs):
   assert row["step"] == 3 and sum(row["mask"]) == 2
   assert all(g > 0 for g, m in zip(row["gap"], row["mask"]) if m)
   masks = [r["mask"] for r in read(tmp_path / "a", metrics_log.UNITS_FILE)]
-  assert sum(map(sum, masks)) == 2 * (4 - 2)  # max_o units from step 2 (warmup 1) on
+  # Selected after step 2 (warmup 1), so used at steps 3 and 4: max_o units each.
+  assert sum(map(sum, masks)) == 2 * 2

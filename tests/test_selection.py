@@ -115,15 +115,16 @@ def test_gap_estimate_blends_valid_measurements_only_and_oracle_keeps_the_last()
                       t_lock=1, warmup=0, gap_decay=eff)
     got = np.array([np.asarray(gnmr_jax.recovery_mask(s)["u"]) for s in states])
     np.testing.assert_array_equal(got, want)
-    # The estimate itself: float32 blend of float32 values vs the float64 reference, a few
-    # roundings of values <= max(gap): 4 eps relative.
+    # The estimate itself: a float32 blend vs the float64 reference. Each blend rounds a few
+    # times (2 products, 1 sum: <= 3 eps/2 relative) and carries decay x the old error, so the
+    # error stays below 1.5 eps / (1 - decay) relative to the largest gap folded in.
     est, count = np.zeros(N), np.zeros(N, int)
     for t in range(steps):
       ok = valid[t] & np.isfinite(gaps[t])
       est = np.where(ok, np.where(count > 0, eff * est + (1 - eff) * gaps[t], gaps[t]), est)
       count += ok
-    np.testing.assert_allclose(np.asarray(states[-1].gap["u"]), est,
-                               rtol=4 * np.finfo(np.float32).eps)
+    bound = 1.5 * np.finfo(np.float32).eps / (1 - eff) * np.nanmax(gaps)
+    np.testing.assert_allclose(np.asarray(states[-1].gap["u"]), est, rtol=0, atol=bound)
     np.testing.assert_array_equal(np.asarray(states[-1].gap_count["u"]), count)
 
 
