@@ -76,11 +76,21 @@ def closed_shares(arms, name):
   return out
 
 
+def _t_p_value(mean, se, n):
+  """Two-sided p of a paired t-test (n - 1 degrees of freedom)."""
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  if n < 2 or not se > 0:
+    return float("nan")
+  return float(2 * stats.t.sf(abs(mean) / se, n - 1))
+
+
 def _fmt_pair(mean, se, n):
   if n == 0 or not np.isfinite(mean):
     return "n/a"
-  z = abs(mean) / se if se and np.isfinite(se) and se > 0 else float("nan")
-  return f"{mean:+.4f} ± {se:.4f} (n={n}, {z:.1f} SE)"
+  if n == 1 or not (se and np.isfinite(se) and se > 0):
+    return f"{mean:+.4f} (n={n})"
+  return (f"{mean:+.4f} ± {se:.4f} (n={n}, {abs(mean) / se:.1f} SE, "
+          f"t-test p={_t_p_value(mean, se, n):.3f})")
 
 
 def quality_section(quality):
@@ -113,7 +123,7 @@ def e2e_table(arms):
   for name in names:
     runs = arms[name]
     closed = closed_shares(arms, name)
-    closed_txt = ("n/a" if not closed else f"{_ms(list(closed.values()), 2)} ("
+    closed_txt = ("n/a" if not closed else f"{_ms(list(closed.values()), 2)} (n={len(closed)}: "
                   + ", ".join(f"{closed[s]:.2f}" for s in sorted(closed)) + ")")
     vs = []
     for other in ("random", "gnmr"):
@@ -139,7 +149,10 @@ def goals(arms):
     return "No deployable controller has finished runs yet."
   rec = float(np.mean([r["recovered_unit_steps_pct"] for r in arms[best]]))
   lines.append(f"Best deployable controller by mean share closed: **{best}** "
-               f"({best_closed:.2f} of the gap closed, {rec:.1f}% of unit-steps recovered).")
+               f"({best_closed:.2f} of the gap closed, {rec:.1f}% of unit-steps recovered). "
+               "It is picked on the same seeds it is then tested on (a winner's bias), and "
+               "2 SE with n = 5 is a two-sided p of about 0.12 under a t-test, so the p values "
+               "are given too.")
   checks = [("closes >= 50% of the gap", best_closed >= 0.5),
             ("recovers <= 15% of unit-steps", rec <= 15.0)]
   for other in ("random", "gnmr"):
