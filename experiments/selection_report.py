@@ -17,9 +17,10 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results", "selection_cpu.json")
-DEPLOYABLE = ("norm", "gap", "gap_every50", "gaprec", "hybrid")   # controllers a user can run (no hindsight, no oracle)
+DEPLOYABLE = ("norm", "gap", "gap_every50", "gaprec", "gaprec_every50", "hybrid")   # controllers a user can run (no hindsight, no oracle)
 REFERENCES = ("oracle", "hindsight")
 ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "gap", "gap_every50", "gaprec",
+         "gaprec_every50",
          "hybrid",
          "oracle", "hindsight", "norm_max_o2", "norm_max_o8", "gap_max_o2", "gap_max_o8")
 LABELS = {
@@ -33,6 +34,7 @@ LABELS = {
     "hindsight": "hindsight static set: mlp/down of every layer",
     "gap_every50": "measured gap, K=50 (priority 'gap')",
     "gaprec": "measured gap, K=10, 'recovery' pass (recovered units keep their estimate)",
+    "gaprec_every50": "measured gap, K=50, 'recovery' pass",
     "norm_max_o2": "norm level, max_o 2", "norm_max_o8": "norm level, max_o 8",
     "gap_max_o2": "measured gap (K=10), max_o 2", "gap_max_o8": "measured gap (K=10), max_o 8",
 }
