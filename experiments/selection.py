@@ -115,8 +115,7 @@ def arm_config(regime, arm, seed, steps=0):
     config.precision.update(routed)
     config.gnmr.update(overrides)
     config.diagnostics.recovery_gap_every = int(every) if every else gap_every
-    if name == "gaprec":
-      config.diagnostics.recovery_gap_pass = "recovery"
+    config.diagnostics.recovery_gap_pass = "recovery" if name == "gaprec" else "swapped"
     if max_o:
       config.gnmr.max_o = int(max_o)
   config.train.seed = config.data.seed = seed
