@@ -53,13 +53,14 @@ def gnmr_config() -> ml_collections.ConfigDict:
   c.units = r"layers/(attn|mlp)/(q|k|v|o|gate|up|down)/kernel"
   # Regex selecting layer-stacked leaves whose axis-0 slices are separate units.
   c.layer_axis = r"^layers/"
-  # How the max_o units are ranked (gnmr_jax.selection): 'gap' (measured recovery gap; needs
-  # diagnostics.recovery_gap_every > 0), 'gnmr' (the paper's rule: alpha, beta, delta above),
-  # 'norm' (gradient-norm level), 'oracle' (the last measured gap alone), 'hybrid' (the paper's
-  # transient risk first, the norm level fills the budget) or 'random'. 'gap' is the default
-  # because it recovered where the low-cost path hurts best in the selection experiment
-  # (RESULTS.md, "Selection"); alpha/beta/delta then only feed telemetry.
-  c.priority = "gnmr"
+  # How the max_o units are ranked (gnmr_jax.selection): 'norm' (gradient-norm level),
+  # 'gnmr' (the paper's rule: alpha, beta, delta above), 'gap' (measured recovery gap; needs
+  # diagnostics.recovery_gap_every > 0), 'oracle' (the last measured gap alone), 'hybrid' (the
+  # paper's transient risk first, the norm level fills the budget) or 'random'. 'norm' is the
+  # default: in the selection experiment (RESULTS.md, "Selection") it beat the paper's rule and
+  # random recovery at no extra cost; 'gap' did better only when measured every 10 steps (an
+  # extra forward+backward each time). alpha/beta/delta then only feed telemetry.
+  c.priority = "norm"
   # 'gap' only: weight of the old estimate when a new measurement arrives, in [0, 1).
   c.gap_decay = 0.0
   return c
@@ -73,10 +74,11 @@ def diagnostics_config() -> ml_collections.ConfigDict:
   # feeds gnmr.priority='gap'/'oracle'. 0: never. Costs one extra forward+backward per measure
   # (benchmarks/recovery_gap_overhead.py); ignored when gnmr.enabled is False.
   c.recovery_gap_every = 0
-  # What the measuring pass runs: 'swapped' (each unit on the other path than in the step, so
-  # every unit is measured) or 'recovery' (every unit recovered; units in the mask then show
-  # only a residual and keep their previous estimate, so a recovered unit is never re-measured).
-  c.recovery_gap_pass = "swapped"
+  # What the measuring pass runs: 'recovery' (every unit recovered; units in the mask then show
+  # only a residual and keep the estimate they had on the low-cost path) or 'swapped' (each
+  # unit on the other path than in the step, so every unit is measured, but a recovered unit in
+  # the context of the others recovered). 'recovery' closed more of the loss gap (RESULTS.md).
+  c.recovery_gap_pass = "recovery"
   return c
 
 
@@ -262,7 +264,7 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   gap_every = config.diagnostics.recovery_gap_every if "diagnostics" in config else 0
   if "diagnostics" in config:
     _int(config.diagnostics, "diagnostics", "recovery_gap_every", 0)
-    gap_pass = config.diagnostics.get("recovery_gap_pass", "swapped")
+    gap_pass = config.diagnostics.get("recovery_gap_pass", "recovery")
     if gap_pass not in GAP_PASSES:
       raise ValueError(f"config.diagnostics.recovery_gap_pass must be one of {list(GAP_PASSES)}, "
                        f"got {gap_pass!r}.")

@@ -11,6 +11,7 @@ other path (g_swap: the mask's units on the low-cost path, every other unit reco
 
 so one extra pass measures every unit, also those recovered on that step. With an empty
 mask (static low-cost mode) the swapped pass is simply every unit on the recovery path.
+The default pass ('recovery', ``swapped=False``) recovers every unit instead (below).
 
 What it measures depends on the regime:
   * Only the weight gradient differs (saved activations quantized for the backward
@@ -22,9 +23,11 @@ What it measures depends on the regime:
   * With a non-empty mask, the swapped pass changes every unit's path at once, so in the
     forward-quantized regimes a recovered unit's e_u is measured with the *other* units on
     the opposite paths too: the same kind of total effect, from the other side.
-  * :func:`unit_gaps` with ``swapped=False`` takes g_rec (every unit recovered) instead;
-    units in the mask then show only a residual gap and are marked not ``valid``, and a
-    controller keeps their previous estimate (so recovered units are never re-measured).
+  * The 'recovery' pass (``swapped=False``, the default) takes g_rec (every unit recovered)
+    instead; units in the mask then show only a residual gap and are marked not ``valid``,
+    and a controller keeps the estimate they had while on the low-cost path (measured with
+    the others mostly low-cost, the context they train in). On the CPU scenario model it
+    closed more of the loss gap than the swapped pass (RESULTS.md, "Selection").
 
 Cost: one extra forward + backward (every unit swapped) per measured step, so about
 1/K of a step's cost when measured every K steps.
@@ -71,15 +74,14 @@ def _per_unit(vectors, layout, treedef, dtype):
   return controller_lib._unflat(vec, layout, treedef, dtype)  # pylint: disable=protected-access
 
 
-def unit_gaps(grads_used, grads_other, mask_used=None, *, swapped: bool = True, units=None,
+def unit_gaps(grads_used, grads_other, mask_used=None, *, swapped: bool = False, units=None,
               layer_axis=None, measured: Any = True) -> RecoveryGap:
   """e_u, ||g_rec,u|| and validity per unit from two gradient trees of the same params.
 
   Args:
     grads_used: gradients as the step computed them (mask units recovered).
-    grads_other: with ``swapped`` (default), gradients with every unit on the other path
-      than in ``grads_used`` (``swapped_mask(mask_used)``); else gradients with every unit
-      on the recovery path.
+    grads_other: gradients with every unit on the recovery path, or with ``swapped``, with
+      every unit on the other path than in ``grads_used`` (``swapped_mask(mask_used)``).
     mask_used: the recovery mask of the step (bool tree like the controller's), or None
       when every unit ran the low-cost path (static mode).
     swapped: what ``grads_other`` is (above). Without it, units in ``mask_used`` are not
@@ -148,7 +150,7 @@ def all_recovered_mask(params, *, units=None, layer_axis=None):
 
 
 def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *,
-            units=None, layer_axis=None) -> RecoveryGap:
+            swapped: bool = False, units=None, layer_axis=None) -> RecoveryGap:
   """The recovery gap of a user's model on one batch.
 
   Args:
@@ -161,6 +163,9 @@ def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *
     batch: the batch.
     mask_used: the step's recovery mask (None: every unit low-cost).
     grads_used: the step's gradients if already computed (else computed here).
+    swapped: the second pass swaps every unit's path (every unit measured) instead of
+      recovering every unit (units in ``mask_used`` not valid); the 'swapped' and
+      'recovery' values of ``config.diagnostics.recovery_gap_pass``.
     units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
 
   Returns:
@@ -182,9 +187,11 @@ def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *
   """
   if grads_used is None:
     grads_used = jax.grad(loss_fn)(params, batch, mask_used)
-  swapped = swapped_mask(mask_used, params, units=units, layer_axis=layer_axis)
-  grads_swapped = jax.grad(loss_fn)(params, batch, swapped)
-  return unit_gaps(grads_used, grads_swapped, mask_used, units=units, layer_axis=layer_axis)
+  other = (swapped_mask(mask_used, params, units=units, layer_axis=layer_axis) if swapped
+           else all_recovered_mask(params, units=units, layer_axis=layer_axis))
+  grads_other = jax.grad(loss_fn)(params, batch, other)
+  return unit_gaps(grads_used, grads_other, mask_used, swapped=swapped, units=units,
+                   layer_axis=layer_axis)
 
 
 def recovery_policy(precision_config):

@@ -234,8 +234,8 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   gap_every = (config.diagnostics.recovery_gap_every
                if "diagnostics" in config and config.gnmr.enabled else 0)
   gap_model = None
-  swap = (config.diagnostics.get("recovery_gap_pass", "swapped") == "swapped"
-          if "diagnostics" in config else True)
+  swap = (config.diagnostics.get("recovery_gap_pass", "recovery") == "swapped"
+          if "diagnostics" in config else False)
   if gap_every:  # the same params; each projection on the other path than in the step
     if policy.routed and swap:  # routed by the swapped mask; per-unit slots: any number recovered
       gap_precision = ml_collections.ConfigDict(config.precision.to_dict())

@@ -62,6 +62,8 @@ def make_config(steps: int):
   config.train.steps = steps
   config.precision.mode = "static"
   config.gnmr.enabled = True
+  config.gnmr.priority = "gnmr"  # the run logs the paper's statistics; the sweep replays them
+  config.diagnostics.recovery_gap_every = 0
   config.logging.unit_log_every = 1
   config.logging.plots = False
   config.logging.tensorboard = False

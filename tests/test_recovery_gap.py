@@ -46,7 +46,7 @@ def test_unit_gaps_match_float64_numpy_per_unit_and_layer():
   assert not np.any(np.asarray(none.valid["stack"]))
   # `rec` as the swapped pass (the default): every unit is measured, and a masked unit's
   # recovery gradient is the one the step used.
-  swapped = recovery_gap.unit_gaps(used, rec, mask, layer_axis="stack")
+  swapped = recovery_gap.unit_gaps(used, rec, mask, layer_axis="stack", swapped=True)
   np.testing.assert_array_equal(swapped.valid["stack"], [True, True, True])
   assert bool(swapped.valid["w"]) and not bool(swapped.valid["b"])
   np.testing.assert_array_equal(swapped.gap["stack"], gap.gap["stack"])
@@ -158,6 +158,7 @@ def test_train_step_logs_the_gap_against_an_independent_recovery_gradient(tmp_pa
 
 def test_gap_priority_run_resumes_bit_for_bit(tmp_path, data_dirs):
   config = _gap_config(data_dirs, **{"precision.mode": "gnmr", "gnmr.priority": "gap",
+                                     "diagnostics.recovery_gap_pass": "swapped",
                                      "gnmr.max_o": 2, "gnmr.warmup": 1, "train.steps": 4,
                                      "logging.log_every": 1})
   data = make_data(config.data)
