@@ -9,7 +9,8 @@ and prints, per K, `gap_K_over_norm: <ratio>` = time per step with the gap
 measured every K steps / time per step without (goal at K=50: <= 1.03).
 
 Model: the CPU model of experiments/scenario1 (d=128, 4 layers, seq 64, batch 16) in
-its 4-bit per-tensor saved-activation regime (routed, recovery 8-bit), or --model tiny.
+its 4-bit per-tensor saved-activation regime (routed, recovery 8-bit), or --model tiny;
+the default 'recovery' measuring pass (every projection on the recovery path).
 
 Usage: python benchmarks/recovery_gap_overhead.py [--every 50,10] [--rounds 5] [--block 50]
 """
@@ -32,6 +33,7 @@ from gnmr_jax import sharding, train_loop  # pylint: disable=g-import-not-at-top
 def build(every: int, model: str):
   config = selection.arm_config("tensor4", "gap" if every else "norm", seed=0)
   config.diagnostics.recovery_gap_every = every
+  config.diagnostics.recovery_gap_pass = "recovery"  # the default measuring pass
   config.logging.unit_log_every = 0
   if model == "tiny":
     config.model.d_model, config.model.num_layers, config.model.ffn_dim = 64, 2, 128
