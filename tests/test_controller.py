@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import gnmr_jax
-from tests.gnmr_reference import run_reference
+from tests.gnmr_reference import library_rtols, run_reference
 from tests.tolerances import F32_EPS, assert_allclose
 
 FIELDS = ("mask", "lock", "gnmr", "delta_gnmr", "score", "risky")
@@ -38,26 +38,12 @@ def run_transform(norm_seq, **hparams):
   return {k: np.asarray(v) for k, v in out.items()}, state
 
 
-def value_rtols(delta):
-  """Relative bounds on gnmr, delta_gnmr and score of the library vs the float32 reference.
-
-  Both add the norms in step order, so the history sums agree; XLA may still round
-  each division differently (a reciprocal, a fusion): <= eps per division. GNMR has
-  two (mean, ratio). dGNMR adds the window: its <= delta GNMR values (2 eps each), summed
-  in ring order instead of step order (2 gamma_delta ~ delta eps), then two divisions.
-  The score adds one division, and a scheduled threshold may round differently too.
-  """
-  gnmr = 2 * F32_EPS
-  delta_gnmr = gnmr + delta * F32_EPS + 2 * F32_EPS
-  return {"gnmr": gnmr, "delta_gnmr": delta_gnmr, "score": delta_gnmr + 2 * F32_EPS}
-
-
 def assert_agrees(norm_seq, **hparams):
   got, state = run_transform(norm_seq, **hparams)
   # The reference sees the norms exactly as the library computes them (sqrt of a square).
   seen = np.sqrt(np.square(np.asarray(norm_seq, np.float32)))
   want = run_reference(seen, **hparams)
-  rtols = value_rtols(hparams["delta"])
+  rtols = library_rtols(hparams["delta"])
   for t in range(len(norm_seq)):
     # Exact: the masks are the controller's output, and the reference makes the same
     # float32 decisions; none of these sequences puts a value within rounding of a
