@@ -78,6 +78,22 @@ def transformer_reductions(cfg, seq_len):
   return per_layer * cfg.num_layers + [d, 1, d]
 
 
+def stack_reductions(num_layers, d_model, d_ff):
+  """The same for gnmr_jax.precision.testing's residual MLP stack: h W_in, silu, . W_out."""
+  return [d_model, 1, d_ff] * num_layers
+
+
+def mean_square_atol(h, ulps):
+  """Bound on |d mean(h^2)| when every h is within ulps eps max|h| (f32_atol).
+
+  |d mean(h^2)| <= 2 mean|h| max|dh|, plus the mean's own sum of n non-negative
+  terms, whose sum of |terms| is n mean(h^2): sqrt(n) eps of the result.
+  """
+  h = np.asarray(h, np.float64)
+  return 2 * np.mean(np.abs(h)) * f32_atol(h, ulps) + f32_atol(np.mean(h * h),
+                                                                chain_ulps([h.size]))
+
+
 def _log(actual, desired, atol, rtol):
   path = os.environ.get('GNMR_TOLERANCE_LOG')
   if not path:
