@@ -114,7 +114,9 @@ def test_stochastic_rounding_is_unbiased_and_bracketed():
   assert abs(err.mean()) < 3 * np.sqrt(np.mean(np.asarray(scale) ** 2) / 4 / err.size)
   assert err.std() > 0.02
   rtn = np.asarray(sa.dequantize_activation(*sa.quantize_activation(x, bits), bits, 512))
-  assert not np.allclose(rtn, x_hat)
+  # Stochastic rounding takes the other neighbouring code for a share E[min(f, 1 - f)]
+  # = 1/4 of uniformly placed elements: whole steps apart, not rounding.
+  assert np.mean(rtn != x_hat) > 0.1
 
 
 @settings(max_examples=10, deadline=None, derandomize=True)
