@@ -19,6 +19,9 @@ what one CPU happened to show (issue 11). The models used here:
   successive sums add up along the chain (first order, unit gain). `chain_ulps`
   sums sqrt(n) over the chain; `f32_atol` scales it by max |reference|, the
   size of the terms in a network whose activations are normalized.
+* bfloat16 roundings of matmul operands (BF16_EPS): each is <= u_bf16 relative;
+  independent ones add up like a random walk, so a norm-wise drift of sqrt(R)
+  eps_bf16 over R roundings on a value's path.
 
 `assert_allclose` takes an elementwise (array) tolerance too. With
 GNMR_TOLERANCE_LOG=<file> set it appends one JSON line per check: the worst
@@ -98,8 +101,9 @@ def _log(actual, desired, atol, rtol):
   path = os.environ.get('GNMR_TOLERANCE_LOG')
   if not path:
     return
-  diff = np.abs(actual - desired)
-  tol = atol + rtol * np.abs(desired)
+  with np.errstate(invalid='ignore'):  # inf - inf: equal infinities count as agreeing
+    diff = np.where(actual == desired, 0.0, np.abs(actual - desired))
+  tol = atol + rtol * np.where(np.isfinite(desired), np.abs(desired), 0.0)
   ratio = np.where(tol > 0, diff / np.where(tol > 0, tol, 1), np.where(diff > 0, np.inf, 0))
   caller = sys._getframe(2)  # pylint: disable=protected-access
   with open(path, 'a', encoding='utf-8') as f:
