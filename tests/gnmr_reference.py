@@ -9,6 +9,7 @@ import collections
 import numpy as np
 
 f32 = np.float32
+F32_EPS = float(np.finfo(np.float32).eps)
 
 
 def _ratio(num, den):
@@ -67,3 +68,18 @@ def run_reference(norms, *, alpha, beta, delta, max_o, t_lock, warmup=0):
     out["score"].append(score)
     out["risky"].append(risky)
   return {k: np.asarray(v) for k, v in out.items()}
+
+
+def library_rtols(delta):
+  """Relative bounds on the library's gnmr, delta_gnmr and score vs this reference.
+
+  Both add the norms in step order, so the history sums agree; XLA may still round
+  each division differently (a reciprocal, a fusion): <= eps per division. GNMR
+  has two (mean, ratio). dGNMR adds the window: its <= delta GNMR values (2 eps
+  each), summed in ring order instead of step order (2 gamma_delta ~ delta eps),
+  then two divisions. The score adds one division, and a scheduled threshold may
+  round differently too.
+  """
+  gnmr = 2 * F32_EPS
+  delta_gnmr = gnmr + delta * F32_EPS + 2 * F32_EPS
+  return {"gnmr": gnmr, "delta_gnmr": delta_gnmr, "score": delta_gnmr + 2 * F32_EPS}

@@ -177,7 +177,12 @@ def test_unigram_perplexity_matches_formula():
   vocab = 4
   probs = {0: 4 / 10, 1: 2 / 10, 2: 3 / 10, 3: 1 / 10}
   expected = math.exp(-np.mean([math.log(probs[t]) for t in (0, 1, 2, 3)]))
-  assert pipeline.unigram_perplexity(train, eval_targets, vocab) == pytest.approx(expected, rel=1e-12)
+  # Float64 both ways: each log is within an ulp and their 4-term mean within gamma_4,
+  # so exp's argument is off by <= (1 + 4) eps max|log p|, which exp makes relative,
+  # adding its own rounding.
+  eps = np.finfo(np.float64).eps
+  rel = (5 * max(abs(math.log(p)) for p in probs.values()) + 1) * eps
+  assert pipeline.unigram_perplexity(train, eval_targets, vocab) == pytest.approx(expected, rel=rel)
 
 
 def test_eval_batches_spread_over_the_split_and_slice_per_process():

@@ -97,7 +97,9 @@ def test_truncated_latest_checkpoint_falls_back_and_resumes_exactly(trained, tmp
   assert "step 6" in caplog.text and "corrupted" in caplog.text
   assert os.listdir(os.path.join(workdir, checkpointing.CORRUPTED_DIR))[0].startswith("6-")
   assert "corrupted checkpoint      step 6 skipped" in train_loop.format_summary(summary)
-  # Redoing steps 5 and 6 from step 4 gives the unbroken run's final state and eval loss.
+  # Redoing steps 5 and 6 from step 4 gives the unbroken run's final state and eval loss,
+  # exactly: the step-4 checkpoint restores state and data position bit for bit and the
+  # same compiled steps run on them.
   step, state, _ = restore(workdir, config, data)
   assert step == 6 and summary["eval_loss"] == first["eval_loss"]
   jax.tree.map(np.testing.assert_array_equal, state, final_state)

@@ -110,7 +110,9 @@ def test_sigterm_then_sigkill_then_restart_matches_uninterrupted_run(tmp_path, d
   ref_summary = json.load(open(os.path.join(reference, metrics_log.SUMMARY_FILE)))
   assert summary["eval_loss"] == ref_summary["eval_loss"]
 
-  # The logs read as one run: one row per step, every loss equal to the uninterrupted run's.
+  # The logs read as one run: one row per step, every loss equal to the uninterrupted run's
+  # (exactly: resuming restores state and data position bit for bit, then runs the same
+  # compiled step).
   losses = lambda w: [(r["step"], r["loss"]) for r in metrics_log.read_jsonl(
       os.path.join(w, metrics_log.METRICS_FILE))]
   with open(os.path.join(workdir, metrics_log.METRICS_FILE)) as f:
