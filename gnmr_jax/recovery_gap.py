@@ -61,9 +61,7 @@ class RecoveryGap(NamedTuple):
   valid: Any      # bool: measured on this step (and, with swapped=False, u ran low-cost)
 
 
-def _layout(tree, units, layer_axis):
-  return units_lib.resolve_units(tree, units_lib.compile_selector(units, "units"),
-                                 units_lib.compile_selector(layer_axis, "layer_axis"))
+_layout = units_lib.layout_of
 
 
 def _per_unit(vectors, layout, treedef, dtype):

@@ -75,8 +75,7 @@ def _controller(opt_state) -> Optional[GNMRState]:
 
 def _unit_layout(unit_regex, layer_regex, params) -> list:
   from gnmr_jax import units as units_lib  # pylint: disable=g-import-not-at-top
-  return units_lib.resolve_units(params, units_lib.compile_selector(unit_regex or None, "units"),
-                                 units_lib.compile_selector(layer_regex or None, "layer_axis"))
+  return units_lib.layout_of(params, unit_regex or None, layer_regex or None)
 
 
 def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, injector=None,

@@ -202,6 +202,12 @@ def resolve_units(tree, units, layer_axis) -> list[LeafUnits]:
   return layout
 
 
+def layout_of(tree, units=None, layer_axis=None) -> list[LeafUnits]:
+  """:func:`resolve_units` with uncompiled selectors (regex strings, callables or None)."""
+  return resolve_units(tree, compile_selector(units, "units"),
+                       compile_selector(layer_axis, "layer_axis"))
+
+
 def unit_norms(leaves: Sequence[jax.Array], layout: Sequence[LeafUnits]) -> list[jax.Array]:
   """L2 (Frobenius) norm of each unit's gradient in float32, one array per unit leaf.
 
