@@ -84,6 +84,8 @@ CONTROLLERS = {
     "gap": ({"priority": "gap"}, GAP_EVERY),
     # The same with the 'recovery' measuring pass: recovered units keep their estimate.
     "gaprec": ({"priority": "gap"}, GAP_EVERY),
+    # The norm level scaled by the measured relative gap e_u / ||g_rec,u|| ('recovery' pass).
+    "relgap": ({"priority": "relgap"}, GAP_EVERY),
     # The paper's transient alarm at the thresholds that catch x5 spikes at 0.26% of unit-steps
     # (THRESHOLDS.md); at the defaults (2, 1.5) it flags 8% of unit-steps and crowds out the fill.
     "hybrid": ({"priority": "hybrid", "alpha": 4.0, "beta": 3.0}, 0),
@@ -115,7 +117,8 @@ def arm_config(regime, arm, seed, steps=0):
     config.precision.update(routed)
     config.gnmr.update(overrides)
     config.diagnostics.recovery_gap_every = int(every) if every else gap_every
-    config.diagnostics.recovery_gap_pass = "recovery" if name == "gaprec" else "swapped"
+    config.diagnostics.recovery_gap_pass = ("recovery" if name in ("gaprec", "relgap")
+                                            else "swapped")
     if max_o:
       config.gnmr.max_o = int(max_o)
   config.train.seed = config.data.seed = seed
@@ -175,9 +178,10 @@ def train(config, workdir, make_tx=None, data=None):
 # --- part 'quality' --------------------------------------------------------------------------
 
 
-def replay(priority, norms, gaps, measured, g, gap_every):
+def replay(priority, norms, gaps, measured, g, gap_every, rec_norms=None):
   """Masks used at each step 1..T and the ranking signal after each step, for one controller
-  replayed on logged per-unit norms [T, N] and gaps [T, N] (the library transform, jitted)."""
+  replayed on logged per-unit norms [T, N], gaps [T, N] and recovery-gradient norms [T, N]
+  (default: the gaps; only 'relgap' reads them) (the library transform, jitted)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from gnmr_jax import recovery_gap, selection  # pylint: disable=g-import-not-at-top
@@ -188,8 +192,8 @@ def replay(priority, norms, gaps, measured, g, gap_every):
   params = {"u": jnp.zeros((n, 1), jnp.float32)}
 
   @jax.jit
-  def step(state, norm, gap, valid):
-    rg = recovery_gap.RecoveryGap({"u": gap}, {"u": gap}, {"u": valid})
+  def step(state, norm, gap, rec_norm, valid):
+    rg = recovery_gap.RecoveryGap({"u": gap}, {"u": rec_norm}, {"u": valid})
     _, state = tx.update({"u": norm[:, None]}, state, params, recovery_gap=rg)
     return state
 
@@ -200,12 +204,16 @@ def replay(priority, norms, gaps, measured, g, gap_every):
     masks[t] = np.asarray(ctl.mask["u"])
     valid = measured[t] & (((t + 1) - 1) % gap_every == 0) if gap_every else np.zeros(n, bool)
     state = step(state, jnp.asarray(norms[t]), jnp.asarray(gaps[t]),
+                 jnp.asarray(gaps[t] if rec_norms is None else rec_norms[t]),
                  jnp.asarray(np.broadcast_to(valid, (n,))))
     ctl = state if priority == "gnmr" else state.controller
     if priority == "gnmr":
       signals[t] = np.asarray(ctl.score["u"])
     elif priority in ("gap", "oracle"):
       signals[t] = np.asarray(state.gap["u"])
+    elif priority == "relgap":
+      est = np.asarray(state.gap["u"])
+      signals[t] = norms[t] * np.where(np.asarray(state.gap_count["u"]) > 0, est, 1.0)
     elif priority in ("norm", "hybrid"):
       signals[t] = norms[t]
     else:
@@ -256,6 +264,8 @@ def quality_run(regime, seed, steps, data):
     names = json.load(f)
   norms = np.array([r["norm"] for r in units], np.float32)
   gaps = np.array([r["gap"] for r in gap_rows], np.float64)
+  rel = np.array([r["gap_rel"] for r in gap_rows], np.float64)
+  rec_norms = np.where(rel > 0, gaps / np.where(rel > 0, rel, 1.0), 0.0)  # gap_rel = e / ||g_rec||
   assert len(norms) == len(gaps) == config.train.steps, (len(norms), len(gaps))
   g, n = config.gnmr, len(names)
   max_o, warmup = g.max_o, g.warmup
@@ -275,10 +285,13 @@ def quality_run(regime, seed, steps, data):
   replays = dict(CONTROLLERS)
   replays["hybrid_default_thresholds"] = ({"priority": "hybrid"}, 0)
   del replays["hindsight"], replays["gaprec"]  # static run: both measuring passes are the same
+  replays["gap_every50"] = (CONTROLLERS["gap"][0], 50)
+  replays["relgap_every50"] = (CONTROLLERS["relgap"][0], 50)
   for name, (overrides, gap_every) in replays.items():
     rg = ml_collections.ConfigDict(g.to_dict())
     rg.update(overrides)
-    masks, signals = replay(rg.priority, norms, gaps.astype(np.float32), measured, rg, gap_every)
+    masks, signals = replay(rg.priority, norms, gaps.astype(np.float32), measured, rg, gap_every,
+                            rec_norms.astype(np.float32))
     out["controllers"][name] = score_masks(masks, None if name == "random" else signals, gaps,
                                            warmup, max_o)
   fixed = np.array([HINDSIGHT in nm for nm in names])

@@ -17,12 +17,13 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results", "selection_cpu.json")
-DEPLOYABLE = ("norm", "gap", "gap_every50", "gaprec", "gaprec_every50", "hybrid")   # controllers a user can run (no hindsight, no oracle)
+DEPLOYABLE = ("norm", "gap", "gap_every50", "gaprec", "gaprec_every50", "relgap",
+              "relgap_every50", "hybrid")   # controllers a user can run (no hindsight, no oracle)
 REFERENCES = ("oracle", "hindsight")
 ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "gap", "gap_every50", "gaprec",
-         "gaprec_every50",
-         "hybrid",
-         "oracle", "hindsight", "norm_max_o2", "norm_max_o8", "gap_max_o2", "gap_max_o8")
+         "gaprec_every50", "relgap", "relgap_every50", "hybrid", "oracle", "hindsight",
+         "norm_max_o2", "norm_max_o8", "gaprec_max_o2", "gaprec_max_o8", "relgap_every50_max_o2",
+         "relgap_every50_max_o8")
 LABELS = {
     "static_low": "static low-cost", "static_rec": "static recovery (every unit)",
     "gnmr": "paper GNMR (`gnmr_jax.gnmr`)", "random": "random, same budget and lock",
@@ -35,6 +36,12 @@ LABELS = {
     "gap_every50": "measured gap, K=50, 'swapped' pass",
     "gaprec": "measured gap, K=10, 'recovery' pass (priority 'gap'; recovered units keep their estimate)",
     "gaprec_every50": "measured gap, K=50, 'recovery' pass",
+    "relgap": "norm level x measured relative gap, K=10, 'recovery' pass (priority 'relgap')",
+    "relgap_every50": "norm level x measured relative gap, K=50, 'recovery' pass",
+    "gaprec_max_o2": "measured gap (K=10, 'recovery' pass), max_o 2",
+    "gaprec_max_o8": "measured gap (K=10, 'recovery' pass), max_o 8",
+    "relgap_every50_max_o2": "norm x relative gap (K=50), max_o 2",
+    "relgap_every50_max_o8": "norm x relative gap (K=50), max_o 8",
     "norm_max_o2": "norm level, max_o 2", "norm_max_o8": "norm level, max_o 8",
     "gap_max_o2": "measured gap (K=10), max_o 2", "gap_max_o8": "measured gap (K=10), max_o 8",
 }

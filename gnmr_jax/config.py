@@ -55,13 +55,14 @@ def gnmr_config() -> ml_collections.ConfigDict:
   c.layer_axis = r"^layers/"
   # How the max_o units are ranked (gnmr_jax.selection): 'norm' (gradient-norm level),
   # 'gnmr' (the paper's rule: alpha, beta, delta above), 'gap' (measured recovery gap; needs
-  # diagnostics.recovery_gap_every > 0), 'oracle' (the last measured gap alone), 'hybrid' (the
+  # diagnostics.recovery_gap_every > 0), 'relgap' (the norm level times the measured relative
+  # gap e_u/||g_rec,u||; needs it too), 'oracle' (the last measured gap alone), 'hybrid' (the
   # paper's transient risk first, the norm level fills the budget) or 'random'. 'norm' is the
   # default: in the selection experiment (RESULTS.md, "Selection") it beat the paper's rule and
   # random recovery at no extra cost; 'gap' did better only when measured every 10 steps (an
   # extra forward+backward each time). alpha/beta/delta then only feed telemetry.
   c.priority = "norm"
-  # 'gap' only: weight of the old estimate when a new measurement arrives, in [0, 1).
+  # 'gap'/'relgap' only: weight of the old estimate when a new measurement arrives, in [0, 1).
   c.gap_decay = 0.0
   return c
 
@@ -71,8 +72,8 @@ def diagnostics_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Every this many steps (at steps 1, 1 + K, ...), also compute the gradients with every unit
   # swapped to its other path and log the per-unit recovery gap (gnmr_jax/recovery_gap.py); it
-  # feeds gnmr.priority='gap'/'oracle'. 0: never. Costs one extra forward+backward per measure
-  # (benchmarks/recovery_gap_overhead.py); ignored when gnmr.enabled is False.
+  # feeds gnmr.priority='gap'/'relgap'/'oracle'. 0: never. Costs one extra forward+backward per
+  # measure (benchmarks/recovery_gap_overhead.py); ignored when gnmr.enabled is False.
   c.recovery_gap_every = 0
   # What the measuring pass runs: 'recovery' (every unit recovered; units in the mask then show
   # only a residual and keep the estimate they had on the low-cost path) or 'swapped' (each

@@ -14,6 +14,12 @@ by one of these priorities:
             keeps the estimate est <- gap_decay * est + (1 - gap_decay) * e_u (the
             first measurement is taken as is), updated where the measurement is
             ``valid`` (every unit with the train loop's swapped measuring pass).
+  'relgap'  the norm level scaled by a measured *relative* gap: ||g_u(t)|| * r_u with
+            r_u the estimate (as for 'gap') of e_u / ||g_rec,u|| from the measurements
+            (1 before u's first one). The relative error of a unit's low-cost path moves
+            slowly while the gradient scale moves with training, so a stale estimate
+            misranks less than a stale absolute gap (measured every 50 steps, 'gap'
+            kept the units that had the largest gaps at step 1).
   'oracle'  'gap' with ``gap_decay=0``: the last measurement alone. Measured at
             every step it is the lagged oracle (top-max_o by e_u(t), used at
             t + 1), a baseline rather than a deployable controller.
@@ -54,15 +60,16 @@ import optax
 from gnmr_jax import controller as controller_lib
 from gnmr_jax import units as units_lib
 
-PRIORITIES = ("gnmr", "norm", "gap", "oracle", "hybrid", "random")
+PRIORITIES = ("gnmr", "norm", "gap", "relgap", "oracle", "hybrid", "random")
 # Priorities that need a measured recovery gap from the train step.
-GAP_PRIORITIES = ("gap", "oracle")
+GAP_PRIORITIES = ("gap", "relgap", "oracle")
 
 
 class PriorityState(NamedTuple):
   """State of :func:`prioritized` (per-unit leaves mirror the params like GNMRState's)."""
   controller: controller_lib.GNMRState  # paper statistics; mask/lock/budget counts are ours
-  gap: Any          # float32: recovery-gap estimate per unit (0 before the first measurement)
+  gap: Any          # float32: recovery-gap estimate per unit (0 before the first measurement;
+                    # 'relgap': of e_u / ||g_rec,u||)
   gap_count: Any    # int32: valid measurements folded into `gap`
 
 
@@ -84,7 +91,7 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     alpha, beta, delta: the paper's thresholds and window, for the GNMR statistics
       kept in the state (telemetry) and the hybrid's transient risk.
     units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
-    gap_decay: 'gap' only: weight of the old estimate at each measurement, in [0, 1).
+    gap_decay: 'gap'/'relgap' only: weight of the old estimate at each measurement, in [0, 1).
     seed: 'random' only: seed of the draws.
 
   Returns:
@@ -151,6 +158,10 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
 
     if recovery_gap is not None:
       measured = flat(recovery_gap.gap, layout).astype(jnp.float32)
+      if priority == "relgap":  # 0 / 0 = 0; a gap over a zero recovery gradient is not finite
+        rec_norm = flat(recovery_gap.rec_norm, layout).astype(jnp.float32)
+        measured = jnp.where(measured == 0, 0.0, measured / jnp.where(measured == 0, 1.0,
+                                                                       rec_norm))
       valid = flat(recovery_gap.valid, layout) & jnp.isfinite(measured)
       blended = jnp.where(gap_count > 0, gap_decay * gap + (1 - gap_decay) * measured, measured)
       gap = jnp.where(valid, blended, gap)
@@ -160,6 +171,8 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     tier = jnp.where(lock > 0, 1, 0)
     if priority in ("norm", "hybrid"):
       value = jnp.where(finite, norm, 0.0)
+    elif priority == "relgap":
+      value = jnp.where(finite, norm, 0.0) * jnp.where(gap_count > 0, gap, 1.0)
     elif priority in GAP_PRIORITIES:
       value = gap
     else:  # random: the first max_o units of a fresh permutation get the top values

@@ -45,19 +45,20 @@ def _reference(priority, norms, gaps, valid, *, max_o, t_lock, warmup, gap_decay
   return np.array(masks)
 
 
-def _run(tx, norms, gaps=None, valid=None):
+def _run(tx, norms, gaps=None, valid=None, rec_norms=None):
   params = {"u": jnp.zeros((N, 1), jnp.float32)}
 
   @jax.jit
-  def step(state, norm, gap, ok):
-    rg = recovery_gap.RecoveryGap({"u": gap}, {"u": gap}, {"u": ok})
+  def step(state, norm, gap, rec, ok):
+    rg = recovery_gap.RecoveryGap({"u": gap}, {"u": rec}, {"u": ok})
     return tx.update({"u": norm[:, None]}, state, params, recovery_gap=rg)[1]
 
   state, states = tx.init(params), []
   for t in range(len(norms)):
     g = np.zeros(N, np.float32) if gaps is None else gaps[t]
+    rec = g if rec_norms is None else rec_norms[t]
     ok = np.zeros(N, bool) if valid is None else valid[t]
-    state = step(state, jnp.asarray(norms[t]), jnp.asarray(g), jnp.asarray(ok))
+    state = step(state, jnp.asarray(norms[t]), jnp.asarray(g), jnp.asarray(rec), jnp.asarray(ok))
     states.append(state)
   return states
 
@@ -126,6 +127,48 @@ def test_gap_estimate_blends_valid_measurements_only_and_oracle_keeps_the_last()
     bound = 1.5 * np.finfo(np.float32).eps / (1 - eff) * np.nanmax(gaps)
     np.testing.assert_allclose(np.asarray(states[-1].gap["u"]), est, rtol=0, atol=bound)
     np.testing.assert_array_equal(np.asarray(states[-1].gap_count["u"]), count)
+
+
+def test_relgap_ranks_the_norm_by_the_last_relative_gap():
+  """'relgap' (gap_decay 0): value = ||g_u(t)|| * e_u / ||g_rec,u|| of u's last valid
+  measurement (1 before any), 0/0 = 0, a gap over a zero recovery norm ignored. Reference in
+  float32 with the same single roundings (one division, one product), so the mask is exact."""
+  rng = np.random.default_rng(5)
+  steps = 30
+  norms = _norms(steps, seed=11)
+  gaps = rng.lognormal(0, 1, size=(steps, N)).astype(np.float32)
+  rec = (rng.lognormal(0, 1, size=(steps, N)) * 4).astype(np.float32)
+  gaps[3, 0], rec[3, 0] = 0.0, 0.0     # 0 / 0: a measured relative gap of 0
+  gaps[6, 3], rec[6, 3] = 1.0, 0.0     # e / 0: not finite, not folded in
+  valid = rng.random((steps, N)) < 0.4
+  valid[3, 0] = valid[6, 3] = True
+  valid[:2] = False                    # nothing measured at first: the norm alone
+  tx = selection.prioritized("relgap", max_o=2, t_lock=1, warmup=1, layer_axis="u")
+  states = _run(tx, norms, gaps, valid, rec)
+  est, count = np.zeros(N, np.float32), np.zeros(N, int)
+  mask, lock, want = np.zeros(N, bool), np.zeros(N, int), []
+  with np.errstate(divide="ignore", invalid="ignore"):
+    for t in range(steps):
+      ratio = np.where(gaps[t] == 0, np.float32(0), gaps[t] / rec[t]).astype(np.float32)
+      ok = valid[t] & np.isfinite(ratio)
+      est, count = np.where(ok, ratio, est).astype(np.float32), count + ok
+      finite = np.isfinite(norms[t])
+      value = (np.where(finite, norms[t], np.float32(0)) *
+               np.where(count > 0, est, np.float32(1))).astype(np.float32)
+      tier = np.where(finite, np.where(lock > 0, 1, 0), 3)
+      order = sorted(range(N), key=lambda u: (-tier[u], -value[u], u))
+      selected = np.zeros(N, bool)
+      if t + 1 > 1:
+        selected[order[:2]] = True
+      lock = np.where(selected & ~mask, 1, np.where(lock > 0, lock - 1, 0))
+      mask = selected
+      want.append(mask.copy())
+      np.testing.assert_array_equal(np.asarray(states[t].gap["u"]), est)
+      np.testing.assert_array_equal(np.asarray(states[t].gap_count["u"]), count)
+  got = np.array([np.asarray(gnmr_jax.recovery_mask(s)["u"]) for s in states])
+  np.testing.assert_array_equal(got, np.array(want))
+  assert float(states[3].gap["u"][0]) == 0.0 and int(states[6].gap_count["u"][3]) == int(
+      states[5].gap_count["u"][3])
 
 
 def test_hybrid_lets_a_spike_take_the_budget_from_the_persistent_leader():
