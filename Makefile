@@ -21,7 +21,7 @@ train: $(STAMP)
 	$(BIN)/python train.py --config=$(CONFIG) --workdir=$(WORKDIR)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/controller_overhead.py

@@ -36,6 +36,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -104,15 +105,19 @@ def base_config(steps=0):
 
 
 def arm_config(regime, arm, seed, steps=0):
-  """The config of one e2e arm: a static arm or '<controller>[_max_o<k>][_every<K>]'
-  (max_o and the gap measurement period K overridden)."""
+  """The config of one e2e arm: a static arm or '<controller>[_max_o<k>][_tlock<k>][_every<K>]'
+  (max_o, t_lock and the gap measurement period K overridden)."""
   low, rec, routed = REGIMES[regime]
   config = base_config(steps)
   if arm in STATIC_ARMS:
     config.precision.update(low if arm == "static_low" else rec)
   else:
-    rest, _, every = arm.partition("_every")
-    name, _, max_o = rest.partition("_max_o")
+    match = re.fullmatch(r"(?P<name>[a-z]+)(_max_o(?P<max_o>\d+))?(_tlock(?P<t_lock>\d+))?"
+                         r"(_every(?P<every>\d+))?", arm)
+    if not match or match["name"] not in CONTROLLERS:
+      raise ValueError(f"unknown arm {arm!r}: a static arm {STATIC_ARMS} or "
+                       f"'<controller>[_max_o<k>][_tlock<k>][_every<K>]' of {list(CONTROLLERS)}")
+    name, max_o, t_lock, every = match["name"], match["max_o"], match["t_lock"], match["every"]
     overrides, gap_every = CONTROLLERS[name]
     config.precision.update(routed)
     config.gnmr.update(overrides)
@@ -121,6 +126,8 @@ def arm_config(regime, arm, seed, steps=0):
                                             else "swapped")
     if max_o:
       config.gnmr.max_o = int(max_o)
+    if t_lock:
+      config.gnmr.t_lock = int(t_lock)
   config.train.seed = config.data.seed = seed
   return config
 
@@ -128,7 +135,6 @@ def arm_config(regime, arm, seed, steps=0):
 def hindsight_tx(config):
   """The configured chain whose mask is always the hindsight set (every layer's mlp/down: as
   many units as layers, which is max_o = 4 for the 4-layer CPU model; max_o is not read)."""
-  import re  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
@@ -349,10 +355,10 @@ def main(argv=None):
     raise SystemExit(f"unknown regimes {unknown}; valid: {list(REGIMES)}")
   arms = [a for a in args.arms.split(",") if a] or list(STATIC_ARMS) + list(CONTROLLERS)
   for arm in arms:
-    if arm not in STATIC_ARMS and arm.partition("_every")[0].partition("_max_o")[0] not in \
-        CONTROLLERS:
-      raise SystemExit(f"unknown arm {arm!r}; valid: {list(STATIC_ARMS) + list(CONTROLLERS)} "
-                       "(+ '_max_o<k>', '_every<K>')")
+    try:
+      arm_config(regimes[0] if regimes else "tensor4", arm, 0)
+    except ValueError as e:
+      raise SystemExit(str(e)) from e
   data = make_data(base_config(args.steps).data)
   seeds = range(args.first_seed, args.first_seed + args.seeds)
   results = _load()

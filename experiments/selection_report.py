@@ -17,17 +17,23 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results", "selection_cpu.json")
-DEPLOYABLE = ("norm", "gap", "gap_every50", "gaprec", "gaprec_every50", "relgap",
-              "relgap_every50", "hybrid")   # controllers a user can run (no hindsight, no oracle)
+# Controllers a user can run (no hindsight, no oracle).
+DEPLOYABLE = ("norm", "norm_tlock20", "norm_tlock200", "gap", "gap_every50", "gaprec",
+              "gaprec_every50", "relgap", "relgap_every50", "hybrid")
 REFERENCES = ("oracle", "hindsight")
-ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "gap", "gap_every50", "gaprec",
-         "gaprec_every50", "relgap", "relgap_every50", "hybrid", "oracle", "hindsight",
-         "norm_max_o2", "norm_max_o8", "gaprec_max_o2", "gaprec_max_o8", "relgap_every50_max_o2",
-         "relgap_every50_max_o8")
+ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "norm_tlock20", "norm_tlock200",
+         "gap", "gap_every50", "gaprec", "gaprec_every50", "relgap", "relgap_every50", "hybrid",
+         "oracle", "hindsight", "norm_max_o2", "norm_max_o8", "norm_max_o2_tlock200",
+         "norm_max_o8_tlock200", "gaprec_max_o2", "gaprec_max_o8", "relgap_max_o2_every50",
+         "relgap_max_o8_every50")
 LABELS = {
     "static_low": "static low-cost", "static_rec": "static recovery (every unit)",
     "gnmr": "paper GNMR (`gnmr_jax.gnmr`)", "random": "random, same budget and lock",
     "norm": "norm level (priority 'norm')",
+    "norm_tlock20": "norm level, t_lock 20",
+    "norm_tlock200": "norm level, t_lock 200 (the set picked at the end of warmup is kept)",
+    "norm_max_o2_tlock200": "norm level, t_lock 200, max_o 2",
+    "norm_max_o8_tlock200": "norm level, t_lock 200, max_o 8",
     "gap": "measured gap, K=10, 'swapped' pass (priority 'gap')",
     "hybrid": "hybrid: GNMR alarm (alpha 4, beta 3) + norm fill",
     "hybrid_default_thresholds": "hybrid at the default thresholds (alpha 2, beta 1.5)",
@@ -40,8 +46,8 @@ LABELS = {
     "relgap_every50": "norm level x measured relative gap, K=50, 'recovery' pass",
     "gaprec_max_o2": "measured gap (K=10, 'recovery' pass), max_o 2",
     "gaprec_max_o8": "measured gap (K=10, 'recovery' pass), max_o 8",
-    "relgap_every50_max_o2": "norm x relative gap (K=50), max_o 2",
-    "relgap_every50_max_o8": "norm x relative gap (K=50), max_o 8",
+    "relgap_max_o2_every50": "norm x relative gap (K=50), max_o 2",
+    "relgap_max_o8_every50": "norm x relative gap (K=50), max_o 8",
     "norm_max_o2": "norm level, max_o 2", "norm_max_o8": "norm level, max_o 8",
     "gap_max_o2": "measured gap (K=10), max_o 2", "gap_max_o8": "measured gap (K=10), max_o 8",
 }
