@@ -105,19 +105,23 @@ def base_config(steps=0):
 
 
 def arm_config(regime, arm, seed, steps=0):
-  """The config of one e2e arm: a static arm or '<controller>[_max_o<k>][_tlock<k>][_every<K>]'
-  (max_o, t_lock and the gap measurement period K overridden)."""
+  """The config of one e2e arm: a static arm or
+  '<controller>[_max_o<k>][_tlock<k>][_every<K>][_from<s>]' (max_o, t_lock, the gap
+  measurement period K and its first step s overridden; s = 1 unless given)."""
   low, rec, routed = REGIMES[regime]
   config = base_config(steps)
   if arm in STATIC_ARMS:
     config.precision.update(low if arm == "static_low" else rec)
   else:
     match = re.fullmatch(r"(?P<name>[a-z]+)(_max_o(?P<max_o>\d+))?(_tlock(?P<t_lock>\d+))?"
-                         r"(_every(?P<every>\d+))?", arm)
+                         r"(_every(?P<every>\d+))?(_from(?P<start>\d+))?", arm)
     if not match or match["name"] not in CONTROLLERS:
       raise ValueError(f"unknown arm {arm!r}: a static arm {STATIC_ARMS} or "
-                       f"'<controller>[_max_o<k>][_tlock<k>][_every<K>]' of {list(CONTROLLERS)}")
+                       f"'<controller>[_max_o<k>][_tlock<k>][_every<K>][_from<s>]' of "
+                       f"{list(CONTROLLERS)}")
     name, max_o, t_lock, every = match["name"], match["max_o"], match["t_lock"], match["every"]
+    # Measured from step 1 (the runs before recovery_gap_start existed) unless '_from<s>'.
+    config.diagnostics.recovery_gap_start = int(match["start"] or 1)
     overrides, gap_every = CONTROLLERS[name]
     config.precision.update(routed)
     config.gnmr.update(overrides)
@@ -257,6 +261,7 @@ def quality_run(regime, seed, steps, data):
   config = base_config(steps)
   config.precision.update(REGIMES[regime][0])
   config.diagnostics.recovery_gap_every = 1
+  config.diagnostics.recovery_gap_start = 1
   config.logging.unit_log_every = 1
   config.train.seed = config.data.seed = seed
   workdir = run_dir("quality", regime, "static_low", seed)

@@ -70,11 +70,15 @@ def gnmr_config() -> ml_collections.ConfigDict:
 def diagnostics_config() -> ml_collections.ConfigDict:
   """Measurements that cost extra compute (the recovery gap, which gnmr.priority='gap' ranks by)."""
   c = ml_collections.ConfigDict()
-  # Every this many steps (at steps 1, 1 + K, ...), also compute the gradients with every unit
+  # Every this many steps (from recovery_gap_start below), also compute the gradients with every unit
   # swapped to its other path and log the per-unit recovery gap (gnmr_jax/recovery_gap.py); it
   # feeds gnmr.priority='gap'/'relgap'/'oracle'. 0: never. Costs one extra forward+backward per
   # measure (benchmarks/recovery_gap_overhead.py); ignored when gnmr.enabled is False.
   c.recovery_gap_every = 0
+  # The first measured step (then every recovery_gap_every steps). 0: gnmr.warmup + 1, the first
+  # step at which the controller selects (the mask is empty before, and a measurement at step 1,
+  # from the initial params, kept picking the wrong set in the selection experiment at K=50).
+  c.recovery_gap_start = 0
   # What the measuring pass runs: 'recovery' (every unit recovered; units in the mask then show
   # only a residual and keep the estimate they had on the low-cost path) or 'swapped' (each
   # unit on the other path than in the step, so every unit is measured, but a recovered unit in
@@ -265,6 +269,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   gap_every = config.diagnostics.recovery_gap_every if "diagnostics" in config else 0
   if "diagnostics" in config:
     _int(config.diagnostics, "diagnostics", "recovery_gap_every", 0)
+    if "recovery_gap_start" in config.diagnostics:
+      _int(config.diagnostics, "diagnostics", "recovery_gap_start", 0)
     gap_pass = config.diagnostics.get("recovery_gap_pass", "recovery")
     if gap_pass not in GAP_PASSES:
       raise ValueError(f"config.diagnostics.recovery_gap_pass must be one of {list(GAP_PASSES)}, "

@@ -79,8 +79,8 @@ def _unit_layout(unit_regex, layer_regex, params) -> list:
 
 
 def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, injector=None,
-                     gap_model=None, gap_every: int = 0, unit_selectors=(None, None),
-                     swap: bool = True):
+                     gap_model=None, gap_every: int = 0, gap_start: int = 1,
+                     unit_selectors=(None, None), swap: bool = True):
   def select(tree):
     leaves = [l for l, keep in zip(jax.tree_util.tree_leaves(tree), unit_flags) if keep]
     return jnp.concatenate([jnp.ravel(l) for l in leaves]) if leaves else jnp.zeros((0,))
@@ -110,6 +110,8 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, inject
     extra = {}
     if gap_every:
       units, layer_axis = unit_selectors
+      # Steps gap_start, gap_start + K, gap_start + 2K, ...
+      gap_measured = (step_number >= gap_start) & ((step_number - gap_start) % gap_every == 0)
 
       def measure(_):
         swapped = None if (mask is None or not swap) else recovery_gap.swapped_mask(
@@ -125,9 +127,8 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, inject
       def skip(_):
         return recovery_gap.not_measured(state.params, units=units, layer_axis=layer_axis)
 
-      # One extra forward+backward on the measured steps only (1, 1 + K, 1 + 2K, ...).
-      extra["recovery_gap"] = jax.lax.cond((step_number - 1) % gap_every == 0, measure, skip,
-                                           None)
+      # One extra forward+backward on the measured steps only.
+      extra["recovery_gap"] = jax.lax.cond(gap_measured, measure, skip, None)
     updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
     grad_norm = optax.tree.norm(grads)
@@ -149,7 +150,7 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, inject
                      unit_delta_gnmr=select(new_ctl.delta_gnmr), unit_norm=select(new_ctl.norm))
     if gap_every:
       gap = extra["recovery_gap"]
-      metrics.update(gap_measured=(step_number - 1) % gap_every == 0,
+      metrics.update(gap_measured=gap_measured,
                      unit_gap=select(gap.gap), unit_gap_rec_norm=select(gap.rec_norm))
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                            rng=state.rng)
@@ -232,6 +233,10 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   # The gap is logged per controller unit: no controller, no measurement.
   gap_every = (config.diagnostics.recovery_gap_every
                if "diagnostics" in config and config.gnmr.enabled else 0)
+  # First measured step: 0 means the first step at which the controller selects (warmup + 1):
+  # before it the mask is empty and no priority reads the gap.
+  gap_start = ((config.diagnostics.get("recovery_gap_start", 0) or config.gnmr.warmup + 1)
+               if gap_every else 1)
   gap_model = None
   swap = (config.diagnostics.get("recovery_gap_pass", "recovery") == "swapped"
           if "diagnostics" in config else False)
@@ -261,7 +266,8 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   schedule = learning_rate_schedule(config.optimizer, config.train.steps)
   batch_sh = sharding.batch_sharding(mesh)
   step_fn = _make_train_step(model, tx, policy.routed, unit_flags, schedule, injector,
-                             gap_model=gap_model, gap_every=gap_every, swap=swap,
+                             gap_model=gap_model, gap_every=gap_every, gap_start=gap_start,
+                             swap=swap,
                              unit_selectors=(config.gnmr.units or None,
                                              config.gnmr.layer_axis or None))
   train_step = jax.jit(step_fn,

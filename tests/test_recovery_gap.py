@@ -103,6 +103,7 @@ def test_measure_on_a_users_routed_model_equals_two_static_gradients():
 
 def _gap_config(data_dirs, **overrides):
   return small_config(data_dirs, **{"precision.mode": "static", "diagnostics.recovery_gap_every": 2,
+                                    "diagnostics.recovery_gap_start": 1,
                                     "train.eval_every": 0, "checkpoint.every_steps": 0,
                                     "logging.unit_log_every": 1, **overrides})
 
@@ -159,6 +160,7 @@ def test_train_step_logs_the_gap_against_an_independent_recovery_gradient(tmp_pa
 def test_gap_priority_run_resumes_bit_for_bit(tmp_path, data_dirs):
   config = _gap_config(data_dirs, **{"precision.mode": "gnmr", "gnmr.priority": "gap",
                                      "diagnostics.recovery_gap_pass": "swapped",
+                                     "diagnostics.recovery_gap_start": 0,  # warmup + 1
                                      "gnmr.max_o": 2, "gnmr.warmup": 1, "train.steps": 4,
                                      "logging.log_every": 1})
   data = make_data(config.data)
@@ -176,9 +178,12 @@ def test_gap_priority_run_resumes_bit_for_bit(tmp_path, data_dirs):
     a, b = read(tmp_path / "a", f), read(tmp_path / "b", f)
     assert [{k: v for k, v in r.items() if k not in ("steps_per_s", "tokens_per_s")} for r in a] \
         == [{k: v for k, v in r.items() if k not in ("steps_per_s", "tokens_per_s")} for r in b]
+  # recovery_gap_start 0: from the first selecting step, warmup + 1 = 2, then every K = 2.
+  rows = read(tmp_path / "a", metrics_log.GAP_FILE)
+  assert [r["step"] for r in rows] == [2, 4] and sum(rows[0]["mask"]) == 0
   # The swapped pass measures the units recovered on that step too (the int8 gap is > 0).
-  row = read(tmp_path / "a", metrics_log.GAP_FILE)[-1]
-  assert row["step"] == 3 and sum(row["mask"]) == 2
+  row = rows[-1]
+  assert row["step"] == 4 and sum(row["mask"]) == 2
   assert all(g > 0 for g, m in zip(row["gap"], row["mask"]) if m)
   masks = [r["mask"] for r in read(tmp_path / "a", metrics_log.UNITS_FILE)]
   # Selected after step 2 (warmup 1), so used at steps 3 and 4: max_o units each.

@@ -270,6 +270,11 @@ def test_config_selects_each_priority_and_refuses_a_gap_priority_without_measure
   config.gnmr.priority, config.gnmr.gap_decay = "norm", 1.5
   with pytest.raises(ValueError, match="gap_decay"):
     validate_config(config, 1)
+  config.gnmr.gap_decay = 0.0
+  for start in (-1, -5):  # (ConfigDict refuses a float or bool in an int field itself)
+    config.diagnostics.recovery_gap_start = start
+    with pytest.raises(ValueError, match="config.diagnostics.recovery_gap_start"):
+      validate_config(config, 1)
 
 
 def test_prioritized_chains_with_optax_and_passes_updates_through():
