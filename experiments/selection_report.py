@@ -19,10 +19,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results", "selection_cpu.json")
 # Controllers a user can run (no hindsight, no oracle).
 DEPLOYABLE = ("norm", "norm_tlock20", "norm_tlock200", "gap", "gap_every50", "gaprec",
-              "gaprec_every50", "relgap", "relgap_every50", "hybrid")
+              "gaprec_every50", "gaprec_every50_from0", "relgap", "relgap_every50",
+              "relgap_every50_from0", "hybrid")
 REFERENCES = ("oracle", "hindsight")
 ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "norm_tlock20", "norm_tlock200",
-         "gap", "gap_every50", "gaprec", "gaprec_every50", "relgap", "relgap_every50", "hybrid",
+         "gap", "gap_every50", "gaprec", "gaprec_every50", "gaprec_every50_from0", "relgap", "relgap_every50",
+         "relgap_every50_from0", "hybrid",
          "oracle", "hindsight", "norm_max_o2", "norm_max_o8", "norm_max_o2_tlock200",
          "norm_max_o8_tlock200", "gaprec_max_o2", "gaprec_max_o8", "relgap_max_o2_every50",
          "relgap_max_o8_every50")
@@ -44,6 +46,10 @@ LABELS = {
     "gaprec_every50": "measured gap, K=50, 'recovery' pass",
     "relgap": "norm level x measured relative gap, K=10, 'recovery' pass (priority 'relgap')",
     "relgap_every50": "norm level x measured relative gap, K=50, 'recovery' pass",
+    "gaprec_every50_from0": "measured gap, K=50, 'recovery' pass, from step warmup + 1 "
+                            "(`recovery_gap_start` 0, the default)",
+    "relgap_every50_from0": "norm level x measured relative gap, K=50, 'recovery' pass, from "
+                            "step warmup + 1",
     "gaprec_max_o2": "measured gap (K=10, 'recovery' pass), max_o 2",
     "gaprec_max_o8": "measured gap (K=10, 'recovery' pass), max_o 8",
     "relgap_max_o2_every50": "norm x relative gap (K=50), max_o 2",
@@ -212,6 +218,11 @@ def section():
     out.append(quality_section(data["quality"]))
   if data.get("e2e"):
     out.append("### End to end at equal budget (each arm trained and evaluated in its own routing)")
+    out.append("Arms with a measured gap (K = its period) measure on steps 1, 1 + K, ... unless "
+               "labelled 'from step warmup + 1' (the library's default since "
+               "`diagnostics.recovery_gap_start` exists). Share closed: per seed, "
+               "(L_low - L_arm) / (L_low - L_rec), over the seeds where static recovery beats "
+               "static low-cost.")
     for regime, arms in data["e2e"].items():
       out.append(f"**{regime}**: {REGIME_TEXT.get(regime, regime)}.")
       out.append(e2e_table(arms))
