@@ -6,13 +6,15 @@ interleaved rounds, each round running every variant for the same block of steps
   norm       gnmr.priority='norm', no measurement (recovery_gap_every=0)
   gap_K      gnmr.priority='gap', recovery_gap_every=K for each K of --every
 and prints, per K, `gap_K_over_norm: <ratio>` = time per step with the gap
-measured every K steps / time per step without (goal at K=50: <= 1.03).
+measured every K steps / time per step without (goal at K=50: <= 1.03), as a ratio of
+medians and as the median of per-round ratios (each round runs every variant back to back,
+in a rotated order, so a round's ratio sees one load).
 
 Model: the CPU model of experiments/scenario1 (d=128, 4 layers, seq 64, batch 16) in
 its 4-bit per-tensor saved-activation regime (routed, recovery 8-bit), or --model tiny;
 the default 'recovery' measuring pass (every projection on the recovery path).
 
-Usage: python benchmarks/recovery_gap_overhead.py [--every 50,10] [--rounds 5] [--block 50]
+Usage: python benchmarks/recovery_gap_overhead.py [--every 50,10] [--rounds 12] [--block 50]
 """
 
 import argparse
@@ -48,7 +50,7 @@ def build(every: int, model: str):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--every", default="50,10", help="comma-separated K values")
-  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--rounds", type=int, default=12)
   parser.add_argument("--block", type=int, default=50, help="steps per timed block")
   parser.add_argument("--model", choices=("scenario", "tiny"), default="scenario")
   args = parser.parse_args(argv)
@@ -67,8 +69,11 @@ def main(argv=None):
       jax.block_until_ready(metrics)
   print(f"compiled {len(variants)} variants in {time.time() - t0:.0f} s")
   per_step = {name: [] for name in variants}
-  for _ in range(args.rounds):
-    for name, (run, _, batch) in variants.items():
+  names = list(variants)
+  for r in range(args.rounds):
+    # Rotated order: no variant always runs first (or right after the same one) in a round.
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      run, _, batch = variants[name]
       with sharding.activation_sharding(run.mesh):
         start = time.perf_counter()
         for _ in range(args.block):
@@ -82,6 +87,13 @@ def main(argv=None):
   for name, times in per_step.items():
     print(f"{name:10s} median {1e3 * statistics.median(times):8.2f} ms/step  "
           f"best {1e3 * min(times):8.2f}")
+  for k in every:
+    # Paired per round (the variants of one round ran back to back, under the same load),
+    # then the median over rounds and the spread of the middle half.
+    ratios = sorted(g / n for g, n in zip(per_step[f"gap_{k}"], per_step["norm"]))
+    q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+    print(f"gap_{k}_over_norm per round: median {statistics.median(ratios):.3f}, "
+          f"quartiles {q1:.3f}..{q3:.3f}, range {ratios[0]:.3f}..{ratios[-1]:.3f}")
   for k in every:
     ratio = statistics.median(per_step[f"gap_{k}"]) / base
     print(f"gap_{k}_over_norm: {ratio:.3f}")
