@@ -126,8 +126,9 @@ def quality_section(quality):
                    f"`{n}` {c}" for n, c in runs[0]["top_units"]) + ".")
     rows = ["| controller | coverage of the top-max_o gap | precision | Spearman(signal, e_u) "
             "| recovered share |", "|---|---|---|---|---|"]
-    for name in runs[0]["controllers"]:
-      vals = [r["controllers"][name] for r in runs]
+    names = list(dict.fromkeys(n for r in runs for n in r["controllers"]))  # runs may differ
+    for name in names:
+      vals = [r["controllers"][name] for r in runs if name in r["controllers"]]
       rows.append(f"| {LABELS.get(name, name)} | {_ms([v['coverage'] for v in vals], 2)} | "
                   f"{_ms([v['precision'] for v in vals], 2)} | "
                   f"{_ms([v['spearman'] for v in vals], 2)} | "

@@ -16,10 +16,10 @@ by one of these priorities:
             ``valid`` (every unit with the train loop's swapped measuring pass).
   'relgap'  the norm level scaled by a measured *relative* gap: ||g_u(t)|| * r_u with
             r_u the estimate (as for 'gap') of e_u / ||g_rec,u|| from the measurements
-            (1 before u's first one). The relative error of a unit's low-cost path moves
-            slowly while the gradient scale moves with training, so a stale estimate
-            misranks less than a stale absolute gap (measured every 50 steps, 'gap'
-            kept the units that had the largest gaps at step 1).
+            (1 before u's first one). Meant to age better than a stale absolute gap
+            if the relative error of a unit's path moved slowly; on the CPU scenario
+            model it did not (RESULTS.md, "Selection": it ranked like 'norm' and closed
+            no more of the loss gap).
   'oracle'  'gap' with ``gap_decay=0``: the last measurement alone. Measured at
             every step it is the lagged oracle (top-max_o by e_u(t), used at
             t + 1), a baseline rather than a deployable controller.
