@@ -10,6 +10,13 @@ measured every K steps / time per step without (goal at K=50: <= 1.03), as a rat
 medians and as the median of per-round ratios (each round runs every variant back to back,
 in a rotated order, so a round's ratio sees one load).
 
+Then, because block timings on a shared 2-core VM swing by +-15% between rounds, a
+paired single-step measurement: `--pairs` pairs of (one 'norm' step, one 'gap' step)
+run back to back, the 'gap' step set to a step number that does not measure (the cond's
+skip branch: the fixed cost every step pays) and, for --pairs / 4 pairs, to one that does
+(the extra forward+backward); the median ratio of each, r_skip and r_measure, gives
+  gap_K_over_norm (paired) = ((K - 1) * r_skip + r_measure) / K.
+
 Model: the CPU model of experiments/scenario1 (d=128, 4 layers, seq 64, batch 16) in
 its 4-bit per-tensor saved-activation regime (routed, recovery 8-bit), or --model tiny;
 the default 'recovery' measuring pass (every projection on the recovery path).
@@ -53,6 +60,8 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=12)
   parser.add_argument("--block", type=int, default=50, help="steps per timed block")
   parser.add_argument("--model", choices=("scenario", "tiny"), default="scenario")
+  parser.add_argument("--pairs", type=int, default=200,
+                      help="single-step pairs for the skip branch (a quarter for the measure)")
   args = parser.parse_args(argv)
   every = [int(k) for k in args.every.split(",") if k]
   bad = [k for k in every if k < 1 or args.block % k]
@@ -97,6 +106,45 @@ def main(argv=None):
   for k in every:
     ratio = statistics.median(per_step[f"gap_{k}"]) / base
     print(f"gap_{k}_over_norm: {ratio:.3f}")
+  if args.pairs:
+    k = every[0]  # measured at steps 1, 1 + k, ...: step 2 skips, step 1 measures
+    r_skip = paired(variants["norm"], variants[f"gap_{k}"], states, "norm", f"gap_{k}", 2,
+                    args.pairs)
+    r_measure = paired(variants["norm"], variants[f"gap_{k}"], states, "norm", f"gap_{k}", 1,
+                       max(1, args.pairs // 4))
+    print(f"paired single steps: skip/norm median {statistics.median(r_skip):.3f} "
+          f"(quartiles {_quartiles(r_skip)}, n={len(r_skip)}), measure/norm median "
+          f"{statistics.median(r_measure):.3f} (quartiles {_quartiles(r_measure)}, "
+          f"n={len(r_measure)})")
+    for kk in every:
+      est = ((kk - 1) * statistics.median(r_skip) + statistics.median(r_measure)) / kk
+      print(f"gap_{kk}_over_norm (paired): {est:.3f}")
+
+
+def _quartiles(values):
+  v = sorted(values)
+  return f"{v[len(v) // 4]:.3f}..{v[(3 * len(v)) // 4]:.3f}"
+
+
+def paired(base_variant, gap_variant, states, base_name, gap_name, step_number, pairs):
+  """Per-pair time ratios gap/base, the gap step run at ``step_number`` (1-based)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  ratios = []
+  for i in range(pairs):
+    times = {}
+    order = ((base_name, base_variant), (gap_name, gap_variant))
+    for name, (run, _, batch) in (order if i % 2 == 0 else order[::-1]):
+      state = states[name]
+      if name == gap_name:  # the next step is `step_number` (it decides the cond)
+        state = state._replace(step=jnp.asarray(step_number - 1, state.step.dtype))
+      with sharding.activation_sharding(run.mesh):
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        states[name], metrics = run.train_step(state, batch)
+        jax.block_until_ready(metrics)
+        times[name] = time.perf_counter() - start
+    ratios.append(times[gap_name] / times[base_name])
+  return ratios
 
 
 if __name__ == "__main__":
