@@ -100,18 +100,15 @@ def main(argv=None):
     # Paired per round (the variants of one round ran back to back, under the same load),
     # then the median over rounds and the spread of the middle half.
     ratios = sorted(g / n for g, n in zip(per_step[f"gap_{k}"], per_step["norm"]))
-    q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
     print(f"gap_{k}_over_norm per round: median {statistics.median(ratios):.3f}, "
-          f"quartiles {q1:.3f}..{q3:.3f}, range {ratios[0]:.3f}..{ratios[-1]:.3f}")
+          f"quartiles {_quartiles(ratios)}, range {ratios[0]:.3f}..{ratios[-1]:.3f}")
   for k in every:
     ratio = statistics.median(per_step[f"gap_{k}"]) / base
     print(f"gap_{k}_over_norm: {ratio:.3f}")
   if args.pairs:
     k = every[0]  # measured at steps 1, 1 + k, ...: step 2 skips, step 1 measures
-    r_skip = paired(variants["norm"], variants[f"gap_{k}"], states, "norm", f"gap_{k}", 2,
-                    args.pairs)
-    r_measure = paired(variants["norm"], variants[f"gap_{k}"], states, "norm", f"gap_{k}", 1,
-                       max(1, args.pairs // 4))
+    r_skip = paired(variants, states, f"gap_{k}", 2, args.pairs)
+    r_measure = paired(variants, states, f"gap_{k}", 1, max(1, args.pairs // 4))
     print(f"paired single steps: skip/norm median {statistics.median(r_skip):.3f} "
           f"(quartiles {_quartiles(r_skip)}, n={len(r_skip)}), measure/norm median "
           f"{statistics.median(r_measure):.3f} (quartiles {_quartiles(r_measure)}, "
@@ -126,14 +123,15 @@ def _quartiles(values):
   return f"{v[len(v) // 4]:.3f}..{v[(3 * len(v)) // 4]:.3f}"
 
 
-def paired(base_variant, gap_variant, states, base_name, gap_name, step_number, pairs):
-  """Per-pair time ratios gap/base, the gap step run at ``step_number`` (1-based)."""
+def paired(variants, states, gap_name, step_number, pairs):
+  """Per-pair time ratios gap_name/'norm', the gap step run at ``step_number`` (1-based)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   ratios = []
   for i in range(pairs):
     times = {}
-    order = ((base_name, base_variant), (gap_name, gap_variant))
-    for name, (run, _, batch) in (order if i % 2 == 0 else order[::-1]):
+    order = ("norm", gap_name) if i % 2 == 0 else (gap_name, "norm")
+    for name in order:
+      run, _, batch = variants[name]
       state = states[name]
       if name == gap_name:  # the next step is `step_number` (it decides the cond)
         state = state._replace(step=jnp.asarray(step_number - 1, state.step.dtype))
@@ -143,7 +141,7 @@ def paired(base_variant, gap_variant, states, base_name, gap_name, step_number, 
         states[name], metrics = run.train_step(state, batch)
         jax.block_until_ready(metrics)
         times[name] = time.perf_counter() - start
-    ratios.append(times[gap_name] / times[base_name])
+    ratios.append(times[gap_name] / times["norm"])
   return ratios
 
 

@@ -169,10 +169,10 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
 
     finite = jnp.isfinite(norm)
     tier = jnp.where(lock > 0, 1, 0)
-    if priority in ("norm", "hybrid"):
+    if priority in ("norm", "hybrid", "relgap"):
       value = jnp.where(finite, norm, 0.0)
-    elif priority == "relgap":
-      value = jnp.where(finite, norm, 0.0) * jnp.where(gap_count > 0, gap, 1.0)
+      if priority == "relgap":  # scaled by the relative gap once u has been measured
+        value = value * jnp.where(gap_count > 0, gap, 1.0)
     elif priority in GAP_PRIORITIES:
       value = gap
     else:  # random: the first max_o units of a fresh permutation get the top values
