@@ -133,12 +133,18 @@ def run_dir(scenario: str, scale: str, arm: str, seed: int) -> str:
   return os.path.join(RUNS_DIR, scenario, scale, arm, f"seed{seed}")
 
 
-def _complete(workdir: str, steps: int) -> bool:
+def _complete(workdir: str, steps: int, config=None) -> bool:
+  """Whether `workdir` holds a finished run of `steps` (and, given `config`, of its seeds: a run
+  left by an older version without them, or of other seeds, is not reused)."""
   path = os.path.join(workdir, metrics_log.SUMMARY_FILE)
   if not os.path.exists(path):
     return False
   with open(path, encoding="utf-8") as f:
     summary = json.load(f)
+  if config is not None and (summary.get("seeds") != {
+      "train": int(config.train.seed), "data": int(config.data.seed),
+      "init_perturbation": float(config.train.get("init_perturbation", 0.0))}):
+    return False
   return summary.get("step") == steps and not summary.get("preempted")
 
 
@@ -155,7 +161,7 @@ def train_arm(scenario, scale, arm: Arm, seed: int, base, data=None,
   """Trains one (arm, seed) unless its workdir already holds a complete run."""
   workdir = run_dir(scenario, scale, arm.name, seed)
   config = arm_config(base, arm, seed)
-  if _complete(workdir, config.train.steps):
+  if _complete(workdir, config.train.steps, config):
     return workdir
   shutil.rmtree(workdir, ignore_errors=True)
   t0 = time.time()

@@ -53,15 +53,25 @@ def fmt(mean, std=None, digits=2):
   return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
-def load_results():
+# Results of the runs before issue 18, when every seed trained on data seed 0 (kept to show how
+# each figure moved once the seeds got their own data orders).
+SHARED_DATA_SUFFIX = "_shared_data.json"
+
+
+def load_results(previous: bool = False):
+  """{(scenario, scale): results} of the current runs, or with `previous` of the runs that
+  shared one data order (the *_shared_data.json files)."""
   out = {}
   if not os.path.isdir(RESULTS_DIR):
     return out
   for name in sorted(os.listdir(RESULTS_DIR)):
-    if name.endswith(".json") and name != "selection_cpu.json":  # selection_report.py reads it
-      with open(os.path.join(RESULTS_DIR, name), encoding="utf-8") as f:
-        data = json.load(f)
-      out[(data["scenario"], data["scale"])] = data
+    if not name.endswith(".json") or name.startswith("selection_cpu"):  # selection_report.py
+      continue
+    if name.endswith(SHARED_DATA_SUFFIX) != previous:
+      continue
+    with open(os.path.join(RESULTS_DIR, name), encoding="utf-8") as f:
+      data = json.load(f)
+    out[(data["scenario"], data["scale"])] = data
   return out
 
 
@@ -147,12 +157,22 @@ def plot_heatmap(data, arm_name, path):
 # --- tables and claims --------------------------------------------------------------------
 
 
-def table(data, low_cost_arm):
+def _before(previous, name, ppl):
+  """The shared-data-order figure of arm `name` and how far the new mean moved from it."""
+  arm = (previous or {}).get("arms", {}).get(name)
+  if arm is None:
+    return "not run"
+  old, old_std, _ = stat(arm, "eval_perplexity")
+  return f"{fmt(old, old_std)} ({ppl - old:+.2f})"
+
+
+def table(data, low_cost_arm, previous=None):
   ref_time = stat(data["arms"][low_cost_arm], "step_seconds")[0] if low_cost_arm in data[
       "arms"] else float("nan")
-  lines = ["| arm | what | final val. perplexity (mean ± std) | seeds | recovered unit-steps % "
+  lines = ["| arm | what | final val. perplexity (mean ± std) | before: one data order for every "
+           "seed (new - old) | seeds | recovered unit-steps % "
            "| threshold exceedance % | step time / static low-cost | non-finite steps |",
-           "|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|"]
   for name, arm in data["arms"].items():
     ppl, ppl_std, n = stat(arm, "eval_perplexity")
     rec = stat(arm, "recovered_unit_steps_pct")[0]
@@ -166,7 +186,8 @@ def table(data, low_cost_arm):
         "controller") == "random" else " (measured, not used)"
     rec_s = fmt(rec, digits=2) if arm["role"] in ("gnmr", "ablation") or arm["overrides"].get(
         "controller") == "random" else "0 (static)"
-    lines.append(f"| `{name}` | {arm['label']} | {fmt(ppl, ppl_std)} | {n} | {rec_s} | "
+    lines.append(f"| `{name}` | {arm['label']} | {fmt(ppl, ppl_std)} | "
+                 f"{_before(previous, name, ppl)} | {n} | {rec_s} | "
                  f"{fmt(exc, digits=2)}{extra} | "
                  f"{fmt(ratio) if same_run else 'n/a (timed in another invocation)'} | "
                  f"{nonfinite} |")
@@ -372,7 +393,7 @@ def loss_groups(data):
   return groups
 
 
-def section(key, scale, data):
+def section(key, scale, data, previous=None):
   title, script = SCENARIOS[key]
   out = [f"### {scale} scale"]
   if data is None:
@@ -399,7 +420,13 @@ def section(key, scale, data):
   for k, v in (data.get("notes") or {}).items():
     out.append(f"*{k}*: {v}")
   low = (data.get("notes") or {}).get("low_cost_arm", LOW_COST[key])
-  out.append(table(data, low))
+  out.append(table(data, low, previous))
+  if previous is not None:
+    out.append("Before issue 18 every seed of these arms trained on the batches of data seed 0 "
+               "(the prebuilt data ignored `config.data.seed`), so seeds varied the initial "
+               "params only; the 'before' column is that run "
+               f"(`experiments/results/{key}_{scale}{SHARED_DATA_SUFFIX}`, measured "
+               f"{previous['date']}), the first column the re-run with one data order per seed.")
   out.append("Step time is the median over logged intervals of each run (compilation "
              "excluded), averaged over seeds, divided by that of "
              f"`{low}` timed in the same invocation (load differs between invocations); on a shared 2-core CPU it carries load noise of roughly ±10%, and CPU "
@@ -433,12 +460,12 @@ with the paper's (sentencepiece/LLaMA) perplexities; compare the arms with each 
 
 def main(argv=None):
   del argv
-  results = load_results()
+  results, previous = load_results(), load_results(previous=True)
   parts = [HEADER]
   for key, (title, _) in SCENARIOS.items():
     parts.append(f"## {title}")
     for scale in ("cpu", "gpu"):
-      parts.append(section(key, scale, results.get((key, scale))))
+      parts.append(section(key, scale, results.get((key, scale)), previous.get((key, scale))))
   from experiments import selection_report  # pylint: disable=g-import-not-at-top
   parts.append(selection_report.section())
   text = "\n\n".join(parts).rstrip() + "\n"

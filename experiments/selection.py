@@ -85,6 +85,8 @@ CONTROLLERS = {
     "gap": ({"priority": "gap"}, GAP_EVERY),
     # The same with the 'recovery' measuring pass: recovered units keep their estimate.
     "gaprec": ({"priority": "gap"}, GAP_EVERY),
+    # The same with the 'uniform' pass: every unit measured, all low-cost against all recovered.
+    "gapuni": ({"priority": "gap"}, GAP_EVERY),
     # The norm level scaled by the measured relative gap e_u / ||g_rec,u|| ('recovery' pass).
     "relgap": ({"priority": "relgap"}, GAP_EVERY),
     # The paper's transient alarm at the thresholds that catch x5 spikes at 0.26% of unit-steps
@@ -104,12 +106,21 @@ def base_config(steps=0):
   return config
 
 
+PERTURBATION = 1e-7  # relative init perturbation of the '_perturb' arms (the noise floor)
+GAP_PASS = {"gaprec": "recovery", "relgap": "recovery", "gapuni": "uniform"}  # else 'swapped'
+
+
 def arm_config(regime, arm, seed, steps=0):
   """The config of one e2e arm: a static arm or
   '<controller>[_max_o<k>][_tlock<k>][_every<K>][_from<s>]' (max_o, t_lock, the gap
-  measurement period K and its first step s overridden; s = 1 unless given)."""
+  measurement period K and its first step s overridden; s = 1 unless given), either with
+  '_perturb' appended: the same run with the initial params perturbed by PERTURBATION
+  (relative), whose distance to the unperturbed run is the noise floor."""
   low, rec, routed = REGIMES[regime]
   config = base_config(steps)
+  if arm.endswith("_perturb"):
+    arm = arm[:-len("_perturb")]
+    config.train.init_perturbation = PERTURBATION
   if arm in STATIC_ARMS:
     config.precision.update(low if arm == "static_low" else rec)
   else:
@@ -126,8 +137,7 @@ def arm_config(regime, arm, seed, steps=0):
     config.precision.update(routed)
     config.gnmr.update(overrides)
     config.diagnostics.recovery_gap_every = int(every) if every else gap_every
-    config.diagnostics.recovery_gap_pass = ("recovery" if name in ("gaprec", "relgap")
-                                            else "swapped")
+    config.diagnostics.recovery_gap_pass = GAP_PASS.get(name, "swapped")
     if max_o:
       config.gnmr.max_o = int(max_o)
     if t_lock:
@@ -178,7 +188,7 @@ def run_dir(part, regime, arm, seed):
 
 def train(config, workdir, make_tx=None, data=None):
   from gnmr_jax.train_loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
-  if common._complete(workdir, config.train.steps):  # pylint: disable=protected-access
+  if common._complete(workdir, config.train.steps, config):  # pylint: disable=protected-access
     with open(os.path.join(workdir, metrics_log.SUMMARY_FILE), encoding="utf-8") as f:
       return json.load(f)
   shutil.rmtree(workdir, ignore_errors=True)
@@ -319,12 +329,14 @@ def e2e_run(regime, arm, seed, steps, data):
   make_tx = hindsight_tx if arm.startswith("hindsight") else None
   t0 = time.time()
   summary = train(config, run_dir("e2e", regime, arm, seed), make_tx=make_tx, data=data)
+  routed = config.precision.mode == "gnmr"  # a static arm recovers nothing
+  recovered = (f"recovered {summary.get('recovered_unit_steps_pct', 0):.2f}% " if routed else "")
   print(f"[e2e] {regime} {arm} seed{seed}: loss {summary.get('eval_loss', float('nan')):.4f} "
-        f"recovered {summary.get('recovered_unit_steps_pct', 0):.2f}% ({time.time() - t0:.0f} s)",
-        flush=True)
+        f"{recovered}({time.time() - t0:.0f} s)", flush=True)
   return {"seed": seed, "eval_loss": summary.get("eval_loss"),
-          "recovered_unit_steps_pct": summary.get("recovered_unit_steps_pct"),
-          "tokens_per_s": summary.get("tokens_per_s")}
+          "recovered_unit_steps_pct": summary.get("recovered_unit_steps_pct") if routed else 0.0,
+          "tokens_per_s": summary.get("tokens_per_s"), "data_seed": config.data.seed,
+          "init_perturbation": config.train.init_perturbation}
 
 
 def _load():
@@ -339,6 +351,18 @@ def _save(results):
   with open(RESULTS + ".tmp", "w", encoding="utf-8") as f:
     json.dump(results, f, indent=1, default=float)
   os.replace(RESULTS + ".tmp", RESULTS)
+
+
+def _update(change):
+  """Re-reads the results under a file lock, applies `change(results)` and writes them back, so
+  sweeps of other regimes or arms running at the same time (one per core) lose nothing."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+  os.makedirs(common.RESULTS_DIR, exist_ok=True)
+  with open(RESULTS + ".lock", "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    results = _load()
+    change(results)
+    _save(results)
 
 
 def main(argv=None):
@@ -364,30 +388,36 @@ def main(argv=None):
       arm_config(regimes[0] if regimes else "tensor4", arm, 0)
     except ValueError as e:
       raise SystemExit(str(e)) from e
+  # One prepared corpus; every run's batches follow its own config.data.seed (Data.for_config).
   data = make_data(base_config(args.steps).data)
   seeds = range(args.first_seed, args.first_seed + args.seeds)
-  results = _load()
   t0 = time.time()
+
+  def record(part, regime, arm, row):
+    def change(results):
+      if part == "quality":
+        runs = [r for r in results["quality"].get(regime, []) if r["seed"] != row["seed"]]
+        results["quality"][regime] = sorted(runs + [row], key=lambda r: r["seed"])
+      else:
+        by_arm = results["e2e"].setdefault(regime, {})
+        runs = [r for r in by_arm.get(arm, []) if r["seed"] != row["seed"]]
+        by_arm[arm] = sorted(runs + [row], key=lambda r: r["seed"])
+      results.update(date=datetime.date.today().isoformat(),
+                     device=common.device_description(), versions=common.versions(),
+                     base_config=base_config(args.steps).to_dict(), gap_every=GAP_EVERY,
+                     hindsight=HINDSIGHT, perturbation=PERTURBATION)
+    _update(change)
+
   for seed in seeds:  # seed-major, so an interrupted run has every arm of the first seeds
     for regime in regimes:
       if args.part == "quality":
-        row = quality_run(regime, seed, args.steps, data)
-        runs = [r for r in results["quality"].get(regime, []) if r["seed"] != seed]
-        results["quality"][regime] = sorted(runs + [row], key=lambda r: r["seed"])
+        record("quality", regime, None, quality_run(regime, seed, args.steps, data))
       else:
         for arm in arms:
-          row = e2e_run(regime, arm, seed, args.steps, data)
-          by_arm = results["e2e"].setdefault(regime, {})
-          runs = [r for r in by_arm.get(arm, []) if r["seed"] != seed]
-          by_arm[arm] = sorted(runs + [row], key=lambda r: r["seed"])
-      results.update(date=datetime.date.today().isoformat(), device=common.device_description(),
-                     versions=common.versions(), base_config=base_config(args.steps).to_dict(),
-                     gap_every=GAP_EVERY, hindsight=HINDSIGHT)
-      _save(results)
-  results["invocations"].append({"command": " ".join(["python"] + sys.argv),
-                                 "date": datetime.date.today().isoformat(),
-                                 "wall_seconds": time.time() - t0})
-  _save(results)
+          record("e2e", regime, arm, e2e_run(regime, arm, seed, args.steps, data))
+  _update(lambda results: results["invocations"].append(
+      {"command": " ".join(["python"] + sys.argv), "date": datetime.date.today().isoformat(),
+       "wall_seconds": time.time() - t0}))
   print(f"wrote {RESULTS}")
 
 

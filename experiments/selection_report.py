@@ -17,13 +17,17 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results", "selection_cpu.json")
+# The runs before issue 18, when every seed trained on the batches of data seed 0.
+PREVIOUS = os.path.join(ROOT, "experiments", "results", "selection_cpu_shared_data.json")
+PERTURB = "_perturb"
 # Controllers a user can run (no hindsight, no oracle).
 DEPLOYABLE = ("norm", "norm_tlock20", "norm_tlock200", "gap", "gap_every50", "gaprec",
-              "gaprec_every50", "gaprec_every50_from0", "relgap", "relgap_every50",
-              "relgap_every50_from0", "hybrid")
+              "gaprec_every50", "gaprec_every50_from0", "gapuni_every50_from0",
+              "gap_every50_from0", "relgap", "relgap_every50", "relgap_every50_from0", "hybrid")
 REFERENCES = ("oracle", "hindsight")
 ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "norm_tlock20", "norm_tlock200",
-         "gap", "gap_every50", "gaprec", "gaprec_every50", "gaprec_every50_from0", "relgap", "relgap_every50",
+         "gap", "gap_every50", "gaprec", "gaprec_every50", "gaprec_every50_from0",
+         "gapuni_every50_from0", "gap_every50_from0", "relgap", "relgap_every50",
          "relgap_every50_from0", "hybrid",
          "oracle", "hindsight", "norm_max_o2", "norm_max_o8", "norm_max_o2_tlock200",
          "norm_max_o8_tlock200", "gaprec_max_o2", "gaprec_max_o8", "relgap_max_o2_every50",
@@ -48,6 +52,10 @@ LABELS = {
     "relgap_every50": "norm level x measured relative gap, K=50, 'recovery' pass",
     "gaprec_every50_from0": "measured gap, K=50, 'recovery' pass, from step warmup + 1 "
                             "(`recovery_gap_start` 0, the default)",
+    "gapuni_every50_from0": "measured gap, K=50, 'uniform' pass (every unit re-measured: all "
+                            "low-cost against all recovered), from step warmup + 1",
+    "gap_every50_from0": "measured gap, K=50, 'swapped' pass (every unit re-measured), from "
+                         "step warmup + 1",
     "relgap_every50_from0": "norm level x measured relative gap, K=50, 'recovery' pass, from "
                             "step warmup + 1",
     "gaprec_max_o2": "measured gap (K=10, 'recovery' pass), max_o 2",
@@ -137,11 +145,31 @@ def quality_section(quality):
   return "\n\n".join(out)
 
 
-def e2e_table(arms):
+def _mean_closed(arms, name):
+  closed = closed_shares(arms, name)
+  return float(np.mean(list(closed.values()))) if closed else float("nan")
+
+
+def _before(old_arms, name, arms):
+  """The arm's figures when every seed shared data seed 0, and how far 'closed' moved."""
+  if old_arms is None or name not in old_arms:
+    return "not run"
+  loss = _ms([r["eval_loss"] for r in old_arms[name]])
+  if name in ("static_low", "static_rec"):
+    return loss
+  old, new = _mean_closed(old_arms, name), _mean_closed(arms, name)
+  if not np.isfinite(old):
+    return loss
+  return f"{loss}; closed {old:.2f} ({new - old:+.2f})"
+
+
+def e2e_table(arms, old_arms=None):
   rows = ["| arm | validation loss (nats) | share of the gap closed (per seed) | recovered unit-steps "
-          "| vs random (paired loss diff) | vs paper GNMR (paired loss diff) |",
-          "|---|---|---|---|---|---|"]
-  names = [n for n in ORDER if n in arms] + sorted(n for n in arms if n not in ORDER)
+          "| vs random (paired loss diff) | vs paper GNMR (paired loss diff) | before: one data "
+          "order for every seed (closed: new - old) |",
+          "|---|---|---|---|---|---|---|"]
+  names = [n for n in ORDER if n in arms] + sorted(n for n in arms if n not in ORDER
+                                                   and not n.endswith(PERTURB))
   for name in names:
     runs = arms[name]
     closed = closed_shares(arms, name)
@@ -155,8 +183,43 @@ def e2e_table(arms):
     recovered = ("0 (static)" if name in ("static_low", "static_rec") else
                  _ms([r.get("recovered_unit_steps_pct") or 0 for r in runs], 1) + "%")
     rows.append(f"| {label} | {_ms([r['eval_loss'] for r in runs])} (n={len(runs)}) | "
-                f"{closed_txt} | {recovered} | {vs[0]} | {vs[1]} |")
+                f"{closed_txt} | {recovered} | {vs[0]} | {vs[1]} | "
+                f"{_before(old_arms, name, arms)} |")
   return "\n".join(rows)
+
+
+def noise_floor(arms):
+  """Per '<arm>_perturb' arm: |L(perturbed init) - L(arm)| per seed, in nats and as a share of
+  that seed's static gap (None when no perturbed arm ran)."""
+  low = {r["seed"]: r["eval_loss"] for r in arms.get("static_low", [])}
+  rec = {r["seed"]: r["eval_loss"] for r in arms.get("static_rec", [])}
+  out = {}
+  for name in arms:
+    base = name[:-len(PERTURB)] if name.endswith(PERTURB) else None
+    if base is None or base not in arms:
+      continue
+    plain = {r["seed"]: r["eval_loss"] for r in arms[base]}
+    rows = [(r["seed"], abs(r["eval_loss"] - plain[r["seed"]]),
+             abs(r["eval_loss"] - plain[r["seed"]]) / (low[r["seed"]] - rec[r["seed"]])
+             if r["seed"] in low and r["seed"] in rec and low[r["seed"]] > rec[r["seed"]]
+             else float("nan"))
+            for r in arms[name] if r["seed"] in plain]
+    if rows:
+      out[base] = rows
+  return out or None
+
+
+def noise_floor_table(floor, perturbation):
+  rows = [f"| arm | \\|L(init x (1 + {perturbation:g} z)) - L(init)\\| per seed (nats) | as a "
+          "share of that seed's static gap | largest share |", "|---|---|---|---|"]
+  worst = 0.0
+  for name, runs in floor.items():
+    shares = [sh for _, _, sh in runs]
+    worst = max([worst] + [sh for sh in shares if np.isfinite(sh)])
+    rows.append(f"| {LABELS.get(name, name)} | " + ", ".join(
+        f"seed {sd}: {d:.4f}" for sd, d, _ in runs) + " | " + ", ".join(
+            f"{sh:.2f}" for sh in shares) + f" | {np.nanmax(shares):.2f} |")
+  return "\n".join(rows), worst
 
 
 def goals(arms):
@@ -187,15 +250,21 @@ def goals(arms):
   return "\n".join(lines)
 
 
+def _read(path):
+  if not os.path.exists(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
 def section():
   """The markdown section (a 'not run yet' line when there are no results)."""
-  if not os.path.exists(RESULTS):
+  data, previous = _read(RESULTS), _read(PREVIOUS)
+  if data is None:
     return ("## Selection: which units to recover\n\nNot run yet. Run: "
             "`python experiments/selection.py --part quality --seeds 3` and "
             "`python experiments/selection.py --part e2e --seeds 5`, then "
             "`python experiments/report.py`.")
-  with open(RESULTS, encoding="utf-8") as f:
-    data = json.load(f)
   base = data["base_config"]
   m, g = base["model"], base["gnmr"]
   out = ["## Selection: which units to recover",
@@ -210,13 +279,24 @@ def section():
          f"{g['beta']}, delta {g['delta']}. Commands: " + "; ".join(
              f"`{i['command']}` ({i['wall_seconds'] / 60:.0f} min)"
              for i in data.get("invocations", [])) + "."]
-  if data.get("quality"):
+  out.append("Since issue 18 every seed trains on its own data order (`config.data.seed`; "
+             "before, the prebuilt data of the experiments ignored it and every seed saw the "
+             "batches of data seed 0, so seeds varied the initial params only). The column "
+             "'before' gives each arm's figures from those runs "
+             "(`experiments/results/selection_cpu_shared_data.json`"
+             + (f", measured {previous['date']}" if previous else "") + ").")
+  quality, quality_note = data.get("quality"), ""
+  if not quality and previous and previous.get("quality"):
+    quality = previous["quality"]
+    quality_note = (" **Not re-run since issue 18: these replays come from static runs whose "
+                    "seeds all trained on data seed 0** (`selection_cpu_shared_data.json`).")
+  if quality:
     out.append("### Selection quality (static low-cost trajectory, every controller replayed)")
     out.append("Coverage: share of the oracle top-max_o units' gap e_u(t) that the mask used at "
                "step t holds; precision: |mask and top set| / max_o; Spearman between the signal "
                "the controller ranked by at t - 1 and e_u(t); all averaged over steps after "
-               "warmup, then mean ± sd over seeds.")
-    out.append(quality_section(data["quality"]))
+               "warmup, then mean ± sd over seeds." + quality_note)
+    out.append(quality_section(quality))
   if data.get("e2e"):
     out.append("### End to end at equal budget (each arm trained and evaluated in its own routing)")
     out.append("Arms with a measured gap (K = its period) measure on steps 1, 1 + K, ... unless "
@@ -224,9 +304,24 @@ def section():
                "`diagnostics.recovery_gap_start` exists). Share closed: per seed, "
                "(L_low - L_arm) / (L_low - L_rec), over the seeds where static recovery beats "
                "static low-cost.")
+    old_e2e = (previous or {}).get("e2e", {})
     for regime, arms in data["e2e"].items():
       out.append(f"**{regime}**: {REGIME_TEXT.get(regime, regime)}.")
-      out.append(e2e_table(arms))
+      out.append(e2e_table(arms, old_e2e.get(regime)))
+      floor = noise_floor(arms)
+      if floor:
+        text, worst = noise_floor_table(floor, data.get("perturbation", 1e-7))
+        out.append(f"Noise floor ({regime}): the same seed and data order with every initial "
+                   f"param multiplied by 1 + {data.get('perturbation', 1e-7):g} z (z ~ N(0, 1), "
+                   "about one float32 rounding), which changes nothing a user could choose. A "
+                   f"difference between arms smaller than the largest share here "
+                   f"({worst:.2f} of the static gap) can be chaos rather than a result.")
+        out.append(text)
       if regime == "tensor4":
         out.append("Goals of the selection issue (tensor4):\n\n" + goals(arms))
+    for regime, arms in old_e2e.items():
+      if regime not in data["e2e"]:
+        out.append(f"**{regime}** (not re-run since issue 18: every seed on data seed 0): "
+                   f"{REGIME_TEXT.get(regime, regime)}.")
+        out.append(e2e_table(arms))
   return "\n\n".join(out)

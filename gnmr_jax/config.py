@@ -24,7 +24,7 @@ from gnmr_jax.precision.config import default_precision_config, validate_config 
 from gnmr_jax.selection import GAP_PRIORITIES, PRIORITIES
 
 NONFINITE_POLICIES = ("skip", "zero", "none")
-GAP_PASSES = ("swapped", "recovery")
+GAP_PASSES = ("swapped", "recovery", "uniform")
 GROUPS = ("model", "data", "train", "optimizer", "gnmr", "precision", "checkpoint", "logging", "mesh",
           "faults", "diagnostics")
 # Groups a config may omit (configs written before they existed); they default to off.
@@ -101,6 +101,10 @@ def base_config(model: str = "tiny") -> ml_collections.ConfigDict:
   config.train.steps = 300
   # Seed for parameter init (data order has its own seed in data.seed).
   config.train.seed = 0
+  # Relative perturbation of the initial params, p * (1 + init_perturbation * z) with z ~ N(0, 1)
+  # drawn from the seed (0: none). ~1e-7 (one float32 ulp) measures a run's noise floor: how
+  # far the same seed lands when nothing but rounding differs (experiments' '_perturb' arms).
+  config.train.init_perturbation = 0.0
   # Evaluate validation loss/perplexity every this many steps (0: only at the end).
   config.train.eval_every = 100
   # Raise after this many consecutive non-finite losses (a last good checkpoint is kept).
@@ -240,6 +244,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   _int(t, "train", "steps", 1)
   _int(t, "train", "seed", 0)
   _int(t, "train", "eval_every", 0)
+  if "init_perturbation" in t:
+    _float(t, "train", "init_perturbation", 0.0, inclusive=True, maximum=1.0)
   _int(t, "train", "max_consecutive_nonfinite", 1)
   _float(o, "optimizer", "learning_rate")
   _int(o, "optimizer", "warmup_steps", 0)

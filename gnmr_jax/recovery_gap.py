@@ -29,8 +29,16 @@ What it measures depends on the regime:
     the others mostly low-cost, the context they train in). On the CPU scenario model it
     closed more of the loss gap than the swapped pass (RESULTS.md, "Selection").
 
-Cost: one extra forward + backward (every unit swapped) per measured step, so about
-1/K of a step's cost when measured every K steps.
+  * The 'uniform' pass (``measuring_pass='uniform'``) ignores the mask: e_u = ||g_low,u -
+    g_rec,u|| with *every* unit low-cost on one side and every unit recovered on the other,
+    so every unit is measured in the same context on every measured step, whatever the
+    controller recovered. It is the refresh of the 'recovery' pass: with the 'recovery' pass
+    the mask's units are never re-measured, so a 'gap' controller keeps the set its first
+    measurement picked (RESULTS.md, "Selection").
+
+Cost: one extra forward + backward per measured step ('recovery', 'swapped'; 'uniform' when
+the step's mask is empty, as in static mode), two for 'uniform' with a mask, so about 1/K
+(2/K) of a step's cost when measured every K steps.
 
 Example:
   >>> import jax.numpy as jnp
@@ -147,8 +155,12 @@ def all_recovered_mask(params, *, units=None, layer_axis=None):
   return _per_unit(ones, layout, treedef, jnp.bool_)
 
 
+MEASURING_PASSES = ("recovery", "swapped", "uniform")
+
+
 def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *,
-            swapped: bool = False, units=None, layer_axis=None) -> RecoveryGap:
+            swapped: bool = False, measuring_pass: Optional[str] = None, units=None,
+            layer_axis=None) -> RecoveryGap:
   """The recovery gap of a user's model on one batch.
 
   Args:
@@ -161,10 +173,14 @@ def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *
     batch: the batch.
     mask_used: the step's recovery mask (None: every unit low-cost).
     grads_used: the step's gradients if already computed (else computed here).
-    swapped: the second pass swaps every unit's path (every unit measured) instead of
-      recovering every unit (units in ``mask_used`` not valid); the 'swapped' and
-      'recovery' values of ``config.diagnostics.recovery_gap_pass``.
-    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
+    swapped: ``measuring_pass='swapped'`` (kept for existing callers).
+    measuring_pass: one of :data:`MEASURING_PASSES`, as
+      ``config.diagnostics.recovery_gap_pass`` (module docstring): 'recovery' (the
+      default; units in ``mask_used`` not valid), 'swapped' (every unit on the other path;
+      every unit valid) or 'uniform' (every unit low-cost against every unit recovered;
+      every unit valid; ``grads_used`` is only reused when ``mask_used`` is None).
+    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`; pass the
+      controller's (a layer-stacked model needs its ``layer_axis`` here too).
 
   Returns:
     A :class:`RecoveryGap`.
@@ -183,10 +199,24 @@ def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *
     >>> 0.0 < float(gap.gap['w']) < 0.1 * float(gap.rec_norm['w'])
     True
   """
+  if measuring_pass is None:
+    measuring_pass = "swapped" if swapped else "recovery"
+  elif swapped and measuring_pass != "swapped":
+    raise ValueError(f"measure: swapped=True contradicts measuring_pass={measuring_pass!r}.")
+  if measuring_pass not in MEASURING_PASSES:
+    raise ValueError(f"measure: `measuring_pass` must be one of {MEASURING_PASSES}, got "
+                     f"{measuring_pass!r}.")
+  everything = all_recovered_mask(params, units=units, layer_axis=layer_axis)
+  if measuring_pass == "uniform":
+    grads_low = (grads_used if grads_used is not None and mask_used is None
+                 else jax.grad(loss_fn)(params, batch, None))
+    return unit_gaps(grads_low, jax.grad(loss_fn)(params, batch, everything), None,
+                     units=units, layer_axis=layer_axis)
   if grads_used is None:
     grads_used = jax.grad(loss_fn)(params, batch, mask_used)
+  swapped = measuring_pass == "swapped"
   other = (swapped_mask(mask_used, params, units=units, layer_axis=layer_axis) if swapped
-           else all_recovered_mask(params, units=units, layer_axis=layer_axis))
+           else everything)
   grads_other = jax.grad(loss_fn)(params, batch, other)
   return unit_gaps(grads_used, grads_other, mask_used, swapped=swapped, units=units,
                    layer_axis=layer_axis)

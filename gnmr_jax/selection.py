@@ -157,6 +157,7 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     gap, gap_count = flat(state.gap, layout), flat(state.gap_count, layout)
 
     if recovery_gap is not None:
+      _check_gap_layout(recovery_gap, state.gap)
       measured = flat(recovery_gap.gap, layout).astype(jnp.float32)
       if priority == "relgap":  # 0 / 0 = 0; a gap over a zero recovery gradient is not finite
         rec_norm = flat(recovery_gap.rec_norm, layout).astype(jnp.float32)
@@ -205,6 +206,28 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
                                   gap_count=unflat(gap_count, layout, treedef, jnp.int32))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _layout_description(tree) -> dict:
+  return {units_lib.path_to_str(path): tuple(jnp.shape(leaf))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_gap_layout(recovery_gap, estimate) -> None:
+  """A RecoveryGap measured with another unit layout than the controller's is refused: it
+  would be folded into the wrong units (or fail to reshape deep inside the update)."""
+  got, want = _layout_description(recovery_gap.gap), _layout_description(estimate)
+  if got == want:
+    return
+  diffs = [f"{name}: RecoveryGap {got.get(name, 'no such leaf')}, controller "
+           f"{want.get(name, 'no such leaf')}"
+           for name in sorted(set(got) | set(want)) if got.get(name) != want.get(name)]
+  raise ValueError(
+      "prioritized: the recovery_gap= argument has another unit layout than this controller "
+      "(per-unit leaf shapes: () is one unit, (L,) one unit per layer); measure it with the "
+      "controller's `units` and `layer_axis` (recovery_gap.measure(..., units=..., "
+      "layer_axis=...)). Differences: " + "; ".join(diffs[:8])
+      + (f"; ... ({len(diffs)} in all)" if len(diffs) > 8 else ""))
 
 
 def needs_recovery_gap(priority: str) -> bool:

@@ -80,7 +80,7 @@ def _unit_layout(unit_regex, layer_regex, params) -> list:
 
 def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, injector=None,
                      gap_model=None, gap_every: int = 0, gap_start: int = 1,
-                     unit_selectors=(None, None), swap: bool = True):
+                     unit_selectors=(None, None), gap_pass: str = "swapped"):
   def select(tree):
     leaves = [l for l, keep in zip(jax.tree_util.tree_leaves(tree), unit_flags) if keep]
     return jnp.concatenate([jnp.ravel(l) for l in leaves]) if leaves else jnp.zeros((0,))
@@ -114,20 +114,28 @@ def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, inject
       gap_measured = (step_number >= gap_start) & ((step_number - gap_start) % gap_every == 0)
 
       def measure(_):
-        swapped = None if (mask is None or not swap) else recovery_gap.swapped_mask(
-            mask, state.params, units=units, layer_axis=layer_axis)
+        def pass_grads(pass_model, pass_mask):
+          def pass_loss(params):
+            logits = pass_model.apply({"params": params}, batch["inputs"],
+                                      recovery_mask=pass_mask)
+            return cross_entropy(logits, batch["targets"])[0]
+          return jax.grad(pass_loss)(state.params)
 
-        def swapped_loss(params):
-          logits = gap_model.apply({"params": params}, batch["inputs"], recovery_mask=swapped)
-          return cross_entropy(logits, batch["targets"])[0]
-        grads_swapped = jax.grad(swapped_loss)(state.params)
-        return recovery_gap.unit_gaps(grads, grads_swapped, mask, swapped=swap, units=units,
-                                      layer_axis=layer_axis)
+        if gap_pass == "uniform":  # every unit low-cost against every unit recovered
+          grads_low = grads if mask is None else pass_grads(model, None)
+          return recovery_gap.unit_gaps(grads_low, pass_grads(gap_model, None), None,
+                                        units=units, layer_axis=layer_axis)
+        swap = gap_pass == "swapped"
+        other = None if (mask is None or not swap) else recovery_gap.swapped_mask(
+            mask, state.params, units=units, layer_axis=layer_axis)
+        return recovery_gap.unit_gaps(grads, pass_grads(gap_model, other), mask, swapped=swap,
+                                      units=units, layer_axis=layer_axis)
 
       def skip(_):
         return recovery_gap.not_measured(state.params, units=units, layer_axis=layer_axis)
 
-      # One extra forward+backward on the measured steps only.
+      # One extra forward+backward on the measured steps only (two for the 'uniform' pass of a
+      # routed step).
       extra["recovery_gap"] = jax.lax.cond(gap_measured, measure, skip, None)
     updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
     params = optax.apply_updates(state.params, updates)
@@ -207,6 +215,8 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
                        max_recovered=config.gnmr.max_o if config.gnmr.enabled else None)
   if data is None:
     data = make_data(config.data, jax.process_index(), jax.process_count())
+  elif hasattr(data, "for_config"):  # prebuilt: this run's seed, or a ValueError on a mismatch
+    data = data.for_config(config.data)
   model_config = ml_collections.ConfigDict(config.model.to_dict())
   model_config.vocab_size = -(-int(data.vocab_size) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
   if policy.routed:
@@ -218,8 +228,15 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   seq_len = config.data.seq_len
   replicated = sharding.replicated(mesh)
 
+  perturbation = float(config.train.get("init_perturbation", 0.0))
+
   def init_state(rng):
     params = nn.unbox(model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"])
+    if perturbation:  # the noise floor of a seed: the same init but for ~one rounding
+      keys = jax.random.split(jax.random.fold_in(rng, 2), len(jax.tree_util.tree_leaves(params)))
+      params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), [
+          p * (1 + perturbation * jax.random.normal(k, p.shape, p.dtype))
+          for p, k in zip(jax.tree_util.tree_leaves(params), keys)])
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       rng=jax.random.key_data(jax.random.fold_in(rng, 1)))
 
@@ -238,8 +255,9 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   gap_start = ((config.diagnostics.get("recovery_gap_start", 0) or config.gnmr.warmup + 1)
                if gap_every else 1)
   gap_model = None
-  swap = (config.diagnostics.get("recovery_gap_pass", "recovery") == "swapped"
-          if "diagnostics" in config else False)
+  gap_pass = (config.diagnostics.get("recovery_gap_pass", "recovery")
+              if "diagnostics" in config else "recovery")
+  swap = gap_pass == "swapped"
   if gap_every:  # the same params; each projection on the other path than in the step
     if policy.routed and swap:  # routed by the swapped mask; per-unit slots: any number recovered
       gap_precision = ml_collections.ConfigDict(config.precision.to_dict())
@@ -267,7 +285,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   batch_sh = sharding.batch_sharding(mesh)
   step_fn = _make_train_step(model, tx, policy.routed, unit_flags, schedule, injector,
                              gap_model=gap_model, gap_every=gap_every, gap_start=gap_start,
-                             swap=swap,
+                             gap_pass=gap_pass,
                              unit_selectors=(config.gnmr.units or None,
                                              config.gnmr.layer_axis or None))
   train_step = jax.jit(step_fn,
@@ -356,7 +374,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     config: a config from configs/*.py (see gnmr_jax.config.base_config).
     workdir: checkpoints, logs and plots go here; a workdir with a checkpoint of
       the same config is resumed exactly.
-    data: optional prebuilt gnmr_jax.data.Data (tests, notebooks).
+    data: optional prebuilt gnmr_jax.data.Data (tests, notebooks, experiments): its batches
+      follow `config.data.seed`; any other field that shapes the batches must agree with
+      `config.data` (`Data.for_config`; a ValueError otherwise).
     devices: optional devices for the mesh (default: all).
     stop_at: stop after this step with a checkpoint, as a preemption would
       (tests of exact resume); None runs to config.train.steps.
@@ -481,6 +501,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
   summary = {"workdir": workdir, "step": int(step), "preempted": preempted,
              "resumed_from_step": int(start),
              "corrupted_checkpoints": [[int(s), r] for s, r in ckpt.corrupted],
+             "seeds": {"train": int(config.train.seed), "data": int(config.data.seed),
+                       "init_perturbation": float(config.train.get("init_perturbation", 0.0))},
              "precision_mode": config.precision.mode,
              "low_cost_path": config.precision.low_cost_path,
              "num_params": int(sum(x.size for x in jax.tree_util.tree_leaves(state.params))),
@@ -491,9 +513,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     summary.update(last_eval)
   if last_host is not None and "num_units" in last_host:
     unit_steps = max(int(last_host["num_units"]) * int(step), 1)
+    # active_unit_steps sums the masks produced at steps 1..T, used at steps 2..T+1 (step 1
+    # uses the initial, empty mask): the last one was used by no step of this run.
+    used_unit_steps = int(last_host["active_unit_steps"]) - int(last_host["num_active"])
     summary.update(
         num_units=int(last_host["num_units"]),
-        recovered_unit_steps_pct=100.0 * int(last_host["active_unit_steps"]) / unit_steps,
+        recovered_unit_steps_pct=100.0 * used_unit_steps / unit_steps,
         threshold_exceedance_pct=100.0 * int(last_host["risky_unit_steps"]) / unit_steps)
   if is_main and config.logging.plots and not preempted:
     from gnmr_jax import plots  # pylint: disable=g-import-not-at-top

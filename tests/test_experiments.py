@@ -90,6 +90,8 @@ def _fake_results(tmp_path):
   results = tmp_path / 'results'
   results.mkdir()
   (results / 'scenario1_cpu.json').write_text(json.dumps(payload))
+  before = dict(payload, arms={'static4': arm('static 4', 'static', [10.0, 10.0, 10.0])})
+  (results / 'scenario1_cpu_shared_data.json').write_text(json.dumps(before))
   return results
 
 
@@ -100,8 +102,9 @@ def test_report_regenerates_tables_claims_figures_and_not_run_sections(tmp_path,
   report.main([])
   text = (tmp_path / 'RESULTS.md').read_text()
   # mean ± sample std over the three seeds, and the step-time ratio to static4 (0.22 / 0.2).
-  assert '| `static4` | static 4 | 10.20 ± 0.20 | 3 |' in text
-  assert '| `gnmr4_8` | GNMR 4/8 | 8.10 ± 0.10 | 3 | 3.50 | 0.10 | 1.10 | 0 |' in text
+  # The 'before' column: the shared-data-order run of the same arm, and how far the mean moved.
+  assert '| `static4` | static 4 | 10.20 ± 0.20 | 10.00 ± 0.00 (+0.20) | 3 |' in text
+  assert '| `gnmr4_8` | GNMR 4/8 | 8.10 ± 0.10 | not run | 3 | 3.50 | 0.10 | 1.10 | 0 |' in text
   assert '4-bit: **reproduced**' in text and '+25.9% vs bf16' in text
   assert 'closing +100% of the static-to-bf16 gap' in text
   assert 'paired per-seed difference GNMR - static -2.10 ± 0.26' in text
@@ -109,3 +112,43 @@ def test_report_regenerates_tables_claims_figures_and_not_run_sections(tmp_path,
   assert 'Not run yet. Run: `python experiments/scenario1_saved_activation.py --scale gpu`' in text
   assert (tmp_path / 'figures' / 'scenario1_cpu_loss.png').stat().st_size > 1000
   assert (tmp_path / 'figures' / 'scenario1_cpu_heatmap.png').stat().st_size > 1000
+
+
+def test_seeds_of_an_experiment_arm_see_different_batches_and_one_seed_the_same(data_dirs):
+  """The experiments prepare the corpus once and pass it to every run: each run's batches must
+  still follow its own config.data.seed (they all followed seed 0 before issue 18)."""
+  from experiments import selection  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import train_loop  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
+
+  def config_of(arm, seed):
+    config = selection.arm_config('tensor4', arm, seed, steps=2)
+    config.data.data_dir, config.data.sdist_path = data_dirs
+    return config
+
+  shared = make_data(config_of('norm', 0).data)
+
+  def first_batch(arm, seed, data=shared):
+    run = train_loop.build(config_of(arm, seed), data=data, devices=jax.devices()[:1])
+    return next(run.data.train_iterator())['inputs']
+
+  seed0, seed0_other_arm, seed1 = first_batch('norm', 0), first_batch('static_low', 0), \
+      first_batch('norm', 1)
+  np.testing.assert_array_equal(seed0, seed0_other_arm)
+  assert np.mean(seed0 != seed1) > 0.5
+  # The same batches as data built for that seed alone.
+  np.testing.assert_array_equal(seed1, first_batch('norm', 1, make_data(config_of('norm', 1).data)))
+  # A scenario arm (experiments/common.arm_config) likewise.
+  base = scenario1.base('cpu', 2)
+  base.data.data_dir, base.data.sdist_path = data_dirs
+  arm = scenario1.ARMS[0]
+  batches = [next(train_loop.build(common.arm_config(base, arm, s), data=shared,
+                                   devices=jax.devices()[:1]).data.train_iterator())['inputs']
+             for s in (0, 1)]
+  np.testing.assert_array_equal(batches[0], seed0)
+  np.testing.assert_array_equal(batches[1], seed1)
+  # Any other field that shapes the batches must agree: a clear error, never silent reuse.
+  longer = config_of('norm', 0)
+  longer.data.seq_len = 32
+  with pytest.raises(ValueError, match=r"data.seq_len: the prebuilt data has 64, the run has 32"):
+    train_loop.build(longer, data=shared, devices=jax.devices()[:1])

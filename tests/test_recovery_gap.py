@@ -188,3 +188,80 @@ def test_gap_priority_run_resumes_bit_for_bit(tmp_path, data_dirs):
   masks = [r["mask"] for r in read(tmp_path / "a", metrics_log.UNITS_FILE)]
   # Selected after step 2 (warmup 1), so used at steps 3 and 4: max_o units each.
   assert sum(map(sum, masks)) == 2 * 2
+
+
+def test_uniform_pass_measures_every_unit_against_all_low_and_all_recovered():
+  """'uniform': e_u = ||g_low,u - g_rec,u|| with every unit on one path on each side, whatever
+  the mask; so the units in the mask are measured too (the 'recovery' pass marks them invalid)."""
+  policy = make_policy(default_precision_config())  # routed int8 / bf16
+  static = {}
+  for name in ("int8", "bf16"):
+    c = default_precision_config()
+    c.mode, c.low_cost_path = "static", name
+    static[name] = make_policy(c)
+  x = jax.random.normal(jax.random.key(0), (16, 32))
+  params = {"w1": 0.2 * jax.random.normal(jax.random.key(1), (32, 32)),
+            "w2": 0.2 * jax.random.normal(jax.random.key(2), (32, 8))}
+
+  def loss_with(pol, mask):
+    h = lambda p, batch: jnp.tanh(pol.dot(batch, p["w1"], None if mask is None else mask["w1"]))
+    return lambda p, batch: jnp.mean(
+        pol.dot(h(p, batch), p["w2"], None if mask is None else mask["w2"]) ** 2)
+
+  def routed_loss(p, batch, mask):
+    return loss_with(policy, mask)(p, batch)
+
+  mask = {"w1": jnp.array(True), "w2": jnp.array(False)}
+  grads_used = jax.grad(routed_loss)(params, x, mask)
+  uniform = jax.jit(lambda p, g: recovery_gap.measure(
+      routed_loss, p, x, mask, g, measuring_pass="uniform"))(params, grads_used)
+  rec_pass = recovery_gap.measure(routed_loss, params, x, mask, grads_used)
+  g_low = jax.grad(loss_with(static["int8"], None))(params, x)
+  g_rec = jax.grad(loss_with(static["bf16"], None))(params, x)
+  for k in params:
+    diff = np.asarray(g_low[k], np.float64) - np.asarray(g_rec[k], np.float64)
+    rec = np.sqrt((np.asarray(g_rec[k], np.float64) ** 2).sum())
+    # As in the test above: routed and static programs round differently inside fusions.
+    np.testing.assert_allclose(float(uniform.gap[k]), np.sqrt((diff ** 2).sum()),
+                               rtol=_norm_rtol(g_rec[k].size), atol=8 * EPS * rec)
+    np.testing.assert_allclose(float(uniform.rec_norm[k]), rec, rtol=_norm_rtol(g_rec[k].size))
+    assert bool(uniform.valid[k])
+  # The 'recovery' pass: w1 ran the recovery path at this step, so it is not measured.
+  assert not bool(rec_pass.valid["w1"]) and bool(rec_pass.valid["w2"])
+  with np.testing.assert_raises_regex(ValueError, "measuring_pass"):
+    recovery_gap.measure(routed_loss, params, x, measuring_pass="both")
+
+
+def _layer_stacked_readme_block():
+  readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+  with open(readme, encoding="utf-8") as f:
+    blocks = f.read().split("```python\n")[1:]
+  found = [b.split("```")[0] for b in blocks if "recovery_gap.measure(" in b]
+  assert len(found) == 1, "README: one python block calls recovery_gap.measure"
+  return found[0]
+
+
+def test_readme_gap_snippet_runs_as_written_on_a_layer_stacked_model():
+  import doctest  # pylint: disable=g-import-not-at-top
+  block = _layer_stacked_readme_block()
+  assert "layer_axis=layer_axis" in block and ">>>" in block
+  test = doctest.DocTestParser().get_doctest(block, {}, "README gap snippet", "README.md", 0)
+  runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+  out = []
+  runner.run(test, out=out.append)
+  assert runner.failures == 0 and runner.tries >= 15, "".join(out)
+
+
+def test_a_gap_measured_with_another_unit_layout_is_a_clear_error():
+  from gnmr_jax import selection  # pylint: disable=g-import-not-at-top
+  params = {"layers": {"w": jnp.ones((3, 4, 4))}, "head": jnp.ones((4, 2))}
+  grads = jax.tree.map(lambda p: 0.5 * p, params)
+  tx = selection.prioritized("gap", max_o=1, t_lock=0, units=r"layers/w|head",
+                             layer_axis=r"^layers/")
+  state = tx.init(params)
+  good = recovery_gap.unit_gaps(grads, params, units=r"layers/w|head", layer_axis=r"^layers/")
+  tx.update(grads, state, params, recovery_gap=good)  # the same layout: accepted
+  # Measured without layer_axis: one unit for the whole stack instead of one per layer.
+  bad = recovery_gap.unit_gaps(grads, params, units=r"layers/w|head")
+  with np.testing.assert_raises_regex(ValueError, r"layers/w: RecoveryGap \(\), controller \(3,\)"):
+    tx.update(grads, state, params, recovery_gap=bad)

@@ -129,6 +129,27 @@ def test_gap_estimate_blends_valid_measurements_only_and_oracle_keeps_the_last()
     np.testing.assert_array_equal(np.asarray(states[-1].gap_count["u"]), count)
 
 
+def test_gap_mask_follows_new_measurements_only_where_the_pass_measures_the_mask():
+  """With the 'recovery' pass the mask's units are not valid, so their estimate is frozen at the
+  measurement that selected them: the mask keeps them although their gap fell. With a pass that
+  measures every unit ('uniform', 'swapped') the mask follows the new gaps."""
+  norms = np.ones((3, N), np.float32)
+  gaps = np.array([[3.0, 1.0, 2.0, 0.5, 0.5, 0.5],     # step 1: unit 0 is the largest
+                   [0.1, 1.0, 2.0, 0.5, 0.5, 0.5],     # step 2: its gap fell below unit 2's
+                   [0.1, 1.0, 2.0, 0.5, 0.5, 0.5]], np.float32)
+  tx = selection.prioritized("gap", max_o=1, t_lock=0, layer_axis="u")
+  every_unit = np.ones((3, N), bool)
+  recovery_pass = every_unit.copy()
+  recovery_pass[1:, 0] = False  # unit 0 ran the recovery path at steps 2 and 3
+  for valid, want_after_2 in ((every_unit, 2), (recovery_pass, 0)):
+    states = _run(tx, norms, gaps, valid)
+    masks = np.array([np.asarray(gnmr_jax.recovery_mask(s)["u"]) for s in states])
+    assert masks[0].tolist() == [True] + [False] * (N - 1)
+    assert np.flatnonzero(masks[1]).tolist() == [want_after_2]
+    assert np.flatnonzero(masks[2]).tolist() == [want_after_2]
+  np.testing.assert_array_equal(np.asarray(states[-1].gap["u"])[0], 3.0)  # frozen at step 1
+
+
 def test_relgap_ranks_the_norm_by_the_last_relative_gap():
   """'relgap' (gap_decay 0): value = ||g_u(t)|| * e_u / ||g_rec,u|| of u's last valid
   measurement (1 before any), 0/0 = 0, a gap over a zero recovery norm ignored. Reference in

@@ -15,12 +15,14 @@ Example:
   (16, 256)
 """
 
+import copy
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 
+import ml_collections
 import numpy as np
 
 from gnmr_jax.data import config as config_lib
@@ -108,6 +110,10 @@ def unigram_perplexity(train_tokens, eval_targets, vocab_size: int) -> float:
   return float(np.exp(-log_probs[np.asarray(eval_targets).ravel()].mean()))
 
 
+# Fields that say where files live: they never change a batch.
+LOCATION_FIELDS = ('data_dir', 'corpus_cache_dir', 'sdist_path')
+
+
 class Data:
   """Tokenizer, packed train/eval streams and batch makers for one process.
 
@@ -146,6 +152,40 @@ class Data:
     self.unigram_perplexity = unigram_perplexity(
         train_tokens, np.stack([b['targets'] for b in global_targets]),
         self.vocab_size)
+
+  def for_config(self, data_config) -> 'Data':
+    """This data as a run configured with `data_config` must see it.
+
+    A run reuses prebuilt data only if every field that shapes its batches agrees
+    (`data.seed` aside: the train iterator of the result draws its order from
+    `data_config.seed`, so one prepared corpus serves every seed of an experiment).
+
+    Args:
+      data_config: the run's `config.data`.
+
+    Returns:
+      `self` when the seeds agree, else a copy sharing the token arrays whose
+      config carries the run's seed.
+
+    Raises:
+      ValueError: naming every field (other than where files live) in which
+        `data_config` differs from the config this data was built from.
+    """
+    mine, theirs = self.config.to_dict(), data_config.to_dict()
+    diffs = [f'data.{k}: the prebuilt data has {mine.get(k, "no such field")!r}, the run '
+             f'has {theirs.get(k, "no such field")!r}'
+             for k in sorted(set(mine) | set(theirs))
+             if k not in LOCATION_FIELDS + ('seed',) and mine.get(k) != theirs.get(k)]
+    if diffs:
+      raise ValueError('The prebuilt data was made from another data config than the run\'s; '
+                       'build it with make_data(config.data) or pass data=None. Mismatches: '
+                       + '; '.join(diffs))
+    if mine.get('seed') == theirs.get('seed'):
+      return self
+    reseeded = copy.copy(self)
+    reseeded.config = ml_collections.ConfigDict(mine)
+    reseeded.config.seed = int(theirs['seed'])
+    return reseeded
 
   def train_iterator(self) -> iterator_lib.PackedBatchIterator:
     """A fresh infinite iterator at epoch 0, step 0 (use set_state to resume)."""
