@@ -72,19 +72,25 @@ def gnmr_config() -> ml_collections.ConfigDict:
 def diagnostics_config() -> ml_collections.ConfigDict:
   """Measurements that cost extra compute (the recovery gap, which gnmr.priority='gap' ranks by)."""
   c = ml_collections.ConfigDict()
-  # Every this many steps (from recovery_gap_start below), also compute the gradients with every unit
-  # swapped to its other path and log the per-unit recovery gap (gnmr_jax/recovery_gap.py); it
-  # feeds gnmr.priority='gap'/'relgap'/'oracle'. 0: never. Costs one extra forward+backward per
-  # measure (benchmarks/recovery_gap_overhead.py); ignored when gnmr.enabled is False.
+  # Every this many steps (from recovery_gap_start below), also compute the gradients of the
+  # measuring pass (recovery_gap_pass below) and log the per-unit recovery gap
+  # (gnmr_jax/recovery_gap.py); it feeds gnmr.priority='gap'/'relgap'/'oracle'. 0: never. Costs
+  # one extra forward+backward per measurement (two for 'uniform' once the mask is not empty;
+  # benchmarks/recovery_gap_overhead.py); ignored when gnmr.enabled is False.
   c.recovery_gap_every = 0
   # The first measured step (then every recovery_gap_every steps). 0: gnmr.warmup + 1, the first
   # step at which the controller selects (the mask is empty before, and a measurement at step 1,
   # from the initial params, kept picking the wrong set in the selection experiment at K=50).
   c.recovery_gap_start = 0
-  # What the measuring pass runs: 'recovery' (every unit recovered; units in the mask then show
-  # only a residual and keep the estimate they had on the low-cost path) or 'swapped' (each
-  # unit on the other path than in the step, so every unit is measured, but a recovered unit in
-  # the context of the others recovered). 'recovery' closed more of the loss gap (RESULTS.md).
+  # What the measuring pass runs (gnmr_jax/recovery_gap.py):
+  # 'recovery': every unit recovered; units in the mask show only a residual and keep the
+  #   estimate they had on the low-cost path, so with priority 'gap' the units picked by the
+  #   first measurement are never re-measured: it picks a fixed set from one measurement at
+  #   recovery_gap_start (a static set chosen online; later measurements only re-rank the rest).
+  # 'uniform': every unit low-cost against every unit recovered (two extra passes on a step
+  #   whose mask is not empty): every unit re-measured in the same context at every measurement.
+  # 'swapped': each unit on the other path than in the step (one extra pass, every unit
+  #   measured, a recovered unit in the context of the others recovered).
   c.recovery_gap_pass = "recovery"
   return c
 

@@ -13,7 +13,10 @@ by one of these priorities:
             steps (``recovery_gap=`` extra argument, a RecoveryGap); each unit
             keeps the estimate est <- gap_decay * est + (1 - gap_decay) * e_u (the
             first measurement is taken as is), updated where the measurement is
-            ``valid`` (every unit with the train loop's swapped measuring pass).
+            ``valid``: every unit with the 'uniform' and 'swapped' measuring passes;
+            with the 'recovery' pass (the default) only the units outside the mask, so
+            the units a measurement selects keep that estimate while they stay
+            selected (in practice the set picked by the first measurement).
   'relgap'  the norm level scaled by a measured *relative* gap: ||g_u(t)|| * r_u with
             r_u the estimate (as for 'gap') of e_u / ||g_rec,u|| from the measurements
             (1 before u's first one). Meant to age better than a stale absolute gap
