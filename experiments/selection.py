@@ -333,10 +333,35 @@ def e2e_run(regime, arm, seed, steps, data):
   recovered = (f"recovered {summary.get('recovered_unit_steps_pct', 0):.2f}% " if routed else "")
   print(f"[e2e] {regime} {arm} seed{seed}: loss {summary.get('eval_loss', float('nan')):.4f} "
         f"{recovered}({time.time() - t0:.0f} s)", flush=True)
+  changes = mask_changes(run_dir("e2e", regime, arm, seed))
   return {"seed": seed, "eval_loss": summary.get("eval_loss"),
+          **({"mask_changes": changes} if changes is not None else {}),
           "recovered_unit_steps_pct": summary.get("recovered_unit_steps_pct") if routed else 0.0,
           "tokens_per_s": summary.get("tokens_per_s"), "data_seed": config.data.seed,
           "init_perturbation": config.train.init_perturbation}
+
+
+def mask_changes(workdir):
+  """How often the mask used at the measured steps (recovery_gap.jsonl) changed between one
+  measurement and the next, counted from the first measurement with a non-empty mask; None
+  when the arm measured nothing. A 'gap' controller whose mask never changes kept the set of its
+  first measurement."""
+  path = os.path.join(workdir, metrics_log.GAP_FILE)
+  if not os.path.exists(path):
+    return None
+  masks = [tuple(r["mask"]) for r in metrics_log.read_jsonl(path) if any(r["mask"])]
+  return {"measurements": len(masks),
+          "changes": sum(a != b for a, b in zip(masks, masks[1:]))}
+
+
+def annotate(results):
+  """Adds `mask_changes` to every e2e row whose run directory is still on this machine."""
+  for regime, by_arm in results["e2e"].items():
+    for arm, runs in by_arm.items():
+      for row in runs:
+        changes = mask_changes(run_dir("e2e", regime, arm, row["seed"]))
+        if changes is not None:
+          row["mask_changes"] = changes
 
 
 def _load():
@@ -368,7 +393,8 @@ def _update(change):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--part", choices=("quality", "e2e"), required=True)
+  parser.add_argument("--part", choices=("quality", "e2e", "annotate"), required=True,
+                      help="'annotate': add mask_changes to the e2e rows from their run dirs")
   parser.add_argument("--regimes", default=",".join(REGIMES))
   parser.add_argument("--arms", default="",
                       help="e2e arms (default: static_low, static_rec and every controller)")
@@ -376,6 +402,10 @@ def main(argv=None):
   parser.add_argument("--first_seed", type=int, default=0)
   parser.add_argument("--steps", type=int, default=0)
   args = parser.parse_args(argv)
+  if args.part == "annotate":
+    _update(annotate)
+    print(f"wrote {RESULTS}")
+    return
   from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
   common.enable_compilation_cache()
   regimes = [r for r in args.regimes.split(",") if r]

@@ -188,6 +188,29 @@ def e2e_table(arms, old_arms=None):
   return "\n".join(rows)
 
 
+# Paired comparisons that decide the refresh question of issue 18 and the README's table.
+PAIRS = (("gapuni_every50_from0", "gaprec_every50_from0"), ("gap_every50_from0",
+         "gaprec_every50_from0"), ("gaprec_every50_from0", "norm"), ("gapuni_every50_from0",
+         "norm"), ("hindsight", "norm"), ("norm", "random"))
+
+
+def comparisons(arms):
+  """Paired per-seed loss differences of PAIRS, and how often each gap arm's mask changed."""
+  lines = []
+  for a, b in PAIRS:
+    if a in arms and b in arms:
+      lines.append(f"- {LABELS.get(a, a)} minus {LABELS.get(b, b)}: "
+                   f"{_fmt_pair(*paired(arms[a], arms[b]))} nats")
+  for name in ORDER:
+    rows = [r for r in arms.get(name, []) if r.get("mask_changes")]
+    if rows:
+      lines.append(f"- {LABELS.get(name, name)}: the mask used at the measured steps changed "
+                   + ", ".join(f"{r['mask_changes']['changes']}/"
+                               f"{max(r['mask_changes']['measurements'] - 1, 0)}" for r in rows)
+                   + " times between consecutive measurements (per seed)")
+  return "\n".join(lines)
+
+
 def noise_floor(arms):
   """Per '<arm>_perturb' arm: |L(perturbed init) - L(arm)| per seed, in nats and as a share of
   that seed's static gap (None when no perturbed arm ran)."""
@@ -308,6 +331,10 @@ def section():
     for regime, arms in data["e2e"].items():
       out.append(f"**{regime}**: {REGIME_TEXT.get(regime, regime)}.")
       out.append(e2e_table(arms, old_e2e.get(regime)))
+      paired_lines = comparisons(arms)
+      if paired_lines:
+        out.append("Paired differences (negative: the first arm ends lower) and refreshes:\n\n"
+                   + paired_lines)
       floor = noise_floor(arms)
       if floor:
         text, worst = noise_floor_table(floor, data.get("perturbation", 1e-7))

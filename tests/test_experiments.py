@@ -152,3 +152,27 @@ def test_seeds_of_an_experiment_arm_see_different_batches_and_one_seed_the_same(
   longer.data.seq_len = 32
   with pytest.raises(ValueError, match=r"data.seq_len: the prebuilt data has 64, the run has 32"):
     train_loop.build(longer, data=shared, devices=jax.devices()[:1])
+
+
+def test_selection_report_noise_floor_before_column_and_paired_refresh_lines():
+  from experiments import selection_report as sr  # pylint: disable=g-import-not-at-top
+  runs = lambda *losses, **extra: [dict(seed=i, eval_loss=l, recovered_unit_steps_pct=12.8,
+                                        **extra) for i, l in enumerate(losses)]
+  arms = {'static_low': runs(2.30, 2.20), 'static_rec': runs(2.10, 2.10),
+          'norm': runs(2.20, 2.15), 'norm_perturb': runs(2.22, 2.15),
+          'gaprec_every50_from0': runs(2.18, 2.12,
+                                       mask_changes={'measurements': 3, 'changes': 0})}
+  floor = sr.noise_floor(arms)
+  # |2.22 - 2.20| = 0.02 nats, a tenth of seed 0's static gap (0.20); seed 1 moved by nothing.
+  assert [sd for sd, _, _ in floor['norm']] == [0, 1]
+  np.testing.assert_allclose([d for _, d, _ in floor['norm']], [0.02, 0.0], atol=1e-12)
+  np.testing.assert_allclose([sh for _, _, sh in floor['norm']], [0.1, 0.0], atol=1e-12)
+  table, worst = sr.noise_floor_table(floor, 1e-7)
+  assert abs(worst - 0.1) < 1e-12 and '| 0.10 |' in table
+  # Closed: seed 0 (2.30 - 2.20) / 0.20 = 0.5, seed 1 (2.20 - 2.15) / 0.10 = 0.5; before: 0.25.
+  old = {'static_low': runs(2.30, 2.20), 'static_rec': runs(2.10, 2.10), 'norm': runs(2.25, 2.175)}
+  text = sr.e2e_table(arms, old)
+  assert 'closed 0.25 (+0.25)' in text and 'norm_perturb' not in text
+  lines = sr.comparisons(arms)
+  assert "minus norm level (priority 'norm'): -0.0250 ± 0.0050 (n=2" in lines
+  assert 'changed 0/2, 0/2 times' in lines
