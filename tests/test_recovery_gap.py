@@ -63,9 +63,8 @@ def test_unit_gaps_match_float64_numpy_per_unit_and_layer():
       AssertionError((a.shape, b.shape))), skipped, gap)
 
 
-def test_measure_on_a_users_routed_model_equals_two_static_gradients():
-  config = default_precision_config()  # mode 'gnmr': int8 low-cost, bf16 recovery
-  policy = make_policy(config)
+def _two_layer_setup():
+  """Static int8 and bf16 policies, one batch and the params of a two-matmul model."""
   static = {}
   for name in ("int8", "bf16"):
     c = default_precision_config()
@@ -74,6 +73,13 @@ def test_measure_on_a_users_routed_model_equals_two_static_gradients():
   x = jax.random.normal(jax.random.key(0), (16, 32))
   params = {"w1": 0.2 * jax.random.normal(jax.random.key(1), (32, 32)),
             "w2": 0.2 * jax.random.normal(jax.random.key(2), (32, 8))}
+  return static, x, params
+
+
+def test_measure_on_a_users_routed_model_equals_two_static_gradients():
+  config = default_precision_config()  # mode 'gnmr': int8 low-cost, bf16 recovery
+  policy = make_policy(config)
+  static, x, params = _two_layer_setup()
 
   def loss_with(pol, mask):
     def loss(p, batch, m=None):
@@ -194,14 +200,7 @@ def test_uniform_pass_measures_every_unit_against_all_low_and_all_recovered():
   """'uniform': e_u = ||g_low,u - g_rec,u|| with every unit on one path on each side, whatever
   the mask; so the units in the mask are measured too (the 'recovery' pass marks them invalid)."""
   policy = make_policy(default_precision_config())  # routed int8 / bf16
-  static = {}
-  for name in ("int8", "bf16"):
-    c = default_precision_config()
-    c.mode, c.low_cost_path = "static", name
-    static[name] = make_policy(c)
-  x = jax.random.normal(jax.random.key(0), (16, 32))
-  params = {"w1": 0.2 * jax.random.normal(jax.random.key(1), (32, 32)),
-            "w2": 0.2 * jax.random.normal(jax.random.key(2), (32, 8))}
+  static, x, params = _two_layer_setup()
 
   def loss_with(pol, mask):
     h = lambda p, batch: jnp.tanh(pol.dot(batch, p["w1"], None if mask is None else mask["w1"]))
