@@ -173,6 +173,8 @@ def test_selection_report_noise_floor_before_column_and_paired_refresh_lines():
   old = {'static_low': runs(2.30, 2.20), 'static_rec': runs(2.10, 2.10), 'norm': runs(2.25, 2.175)}
   text = sr.e2e_table(arms, old)
   assert 'closed 0.25 (+0.25)' in text and 'norm_perturb' not in text
+  # Pooled: mean(2.30 - 2.20, 2.20 - 2.15) / mean(0.20, 0.10) = 0.075 / 0.15 = 0.5; before 0.25.
+  assert abs(sr.pooled_closed(arms, 'norm') - 0.5) < 1e-12 and 'pooled 0.25 (+0.25)' in text
   lines = sr.comparisons(arms)
   assert "minus norm level (priority 'norm'): -0.0250 ± 0.0050 (n=2" in lines
   assert 'changed 0/2, 0/2 times' in lines
