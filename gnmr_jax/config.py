@@ -59,10 +59,10 @@ def gnmr_config() -> ml_collections.ConfigDict:
   # gap e_u/||g_rec,u||; needs it too), 'oracle' (the last measured gap alone), 'hybrid' (the
   # paper's transient risk first, the norm level fills the budget) or 'random'. 'norm' is the
   # default: in the selection experiment (RESULTS.md, "Selection") it beat the paper's rule and
-  # random recovery at no extra cost; 'gap' measured every 50 steps from warmup + 1 closed more
-  # of the loss gap where the low-cost error is concentrated (an extra forward+backward per
-  # measurement), and nothing beat random where it is spread. alpha/beta/delta then only feed
-  # telemetry.
+  # random recovery at no extra cost and closed as much of the loss gap as the best fixed set in
+  # hindsight where the low-cost error is concentrated; 'gap' (an extra forward+backward per
+  # measurement) closed less than 'norm' once seeds had their own data orders, and nothing beat
+  # random where the error is spread. alpha/beta/delta then only feed telemetry.
   c.priority = "norm"
   # 'gap'/'relgap' only: weight of the old estimate when a new measurement arrives, in [0, 1).
   c.gap_decay = 0.0
