@@ -396,6 +396,12 @@ def loss_groups(data):
 def section(key, scale, data, previous=None):
   title, script = SCENARIOS[key]
   out = [f"### {scale} scale"]
+  if data is None and previous is not None:  # not re-run since issue 18: show what there is
+    out.append(f"**Not re-run since issue 18: every seed below trained on the batches of data "
+               f"seed 0** (`experiments/results/{key}_{scale}{SHARED_DATA_SUFFIX}`), so the "
+               "seeds vary the initial params only. Re-run: `python "
+               f"{script} --scale {scale}`.")
+    data, previous = previous, None
   if data is None:
     out.append(f"Not run yet. Run: `python {script} --scale {scale}`"
                + (" on one H200 (then commit experiments/results and experiments/figures)"

@@ -350,6 +350,8 @@ def mask_changes(workdir):
   if not os.path.exists(path):
     return None
   masks = [tuple(r["mask"]) for r in metrics_log.read_jsonl(path) if any(r["mask"])]
+  if not masks:
+    return None
   return {"measurements": len(masks),
           "changes": sum(a != b for a, b in zip(masks, masks[1:]))}
 
@@ -360,6 +362,7 @@ def annotate(results):
     for arm, runs in by_arm.items():
       for row in runs:
         changes = mask_changes(run_dir("e2e", regime, arm, row["seed"]))
+        row.pop("mask_changes", None)
         if changes is not None:
           row["mask_changes"] = changes
 
