@@ -1,17 +1,24 @@
 """gnmr_jax: GNMR runtime stability control for low-precision LLM training in JAX.
 
 Public API:
-  gnmr(...)            the controller, an optax transform emitting a recovery mask
-  GNMRState            its state (per-unit statistics, locks, mask, telemetry)
+  gnmr(...)            the paper's controller, an optax transform emitting a recovery mask
+  prioritized(...)     budgeted controllers ranking units by another signal ('norm', the
+                       default of config.gnmr.priority; 'gap', 'hybrid', 'random', 'fixed', ...)
+  GNMRState            the state that carries every controller's mask, statistics, telemetry
   recovery_mask(s)     the mask tree found inside any optax state
   controller_state(s)  the GNMRState found inside any optax state
+  control              the package that holds all of it (gnmr_jax/control/)
 """
 
-from gnmr_jax.controller import GNMRState
-from gnmr_jax.controller import GNMRTelemetry
-from gnmr_jax.controller import controller_state
-from gnmr_jax.controller import gnmr
-from gnmr_jax.controller import recovery_mask
+from gnmr_jax import control as control
+from gnmr_jax.control import GNMRState as GNMRState
+from gnmr_jax.control import GNMRTelemetry as GNMRTelemetry
+from gnmr_jax.control import PriorityState as PriorityState
+from gnmr_jax.control import controller_state as controller_state
+from gnmr_jax.control import gnmr as gnmr
+from gnmr_jax.control import prioritized as prioritized
+from gnmr_jax.control import recovery_mask as recovery_mask
 
-__all__ = ["gnmr", "GNMRState", "GNMRTelemetry", "recovery_mask", "controller_state"]
+__all__ = ["gnmr", "prioritized", "GNMRState", "GNMRTelemetry", "PriorityState",
+           "recovery_mask", "controller_state", "control"]
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 
-from gnmr_jax.units import path_to_str
+from gnmr_jax.control.units import path_to_str
 
 CORRUPTED_DIR = "checkpoints_corrupted"
 

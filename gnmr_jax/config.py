@@ -21,7 +21,7 @@ from gnmr_jax.model import PROJECTIONS
 from gnmr_jax.model_configs import model_config, validate_model_config
 from gnmr_jax.sharding import MESH_AXES, default_mesh_config, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
-from gnmr_jax.selection import GAP_PRIORITIES, PRIORITIES
+from gnmr_jax.control.priorities import GAP_PRIORITIES, PRIORITIES
 
 NONFINITE_POLICIES = ("skip", "zero", "none")
 GAP_PASSES = ("swapped", "recovery", "uniform")
@@ -53,11 +53,12 @@ def gnmr_config() -> ml_collections.ConfigDict:
   c.units = r"layers/(attn|mlp)/(q|k|v|o|gate|up|down)/kernel"
   # Regex selecting layer-stacked leaves whose axis-0 slices are separate units.
   c.layer_axis = r"^layers/"
-  # How the max_o units are ranked (gnmr_jax.selection): 'norm' (gradient-norm level),
+  # How the max_o units are ranked (gnmr_jax/control/priorities.py): 'norm' (gradient-norm level),
   # 'gnmr' (the paper's rule: alpha, beta, delta above), 'gap' (measured recovery gap; needs
   # diagnostics.recovery_gap_every > 0), 'relgap' (the norm level times the measured relative
   # gap e_u/||g_rec,u||; needs it too), 'oracle' (the last measured gap alone), 'hybrid' (the
-  # paper's transient risk first, the norm level fills the budget) or 'random'. 'norm' is the
+  # paper's transient risk first, the norm level fills the budget), 'random', or 'fixed' (the
+  # units matching fixed_units below, at most max_o, at every step after warmup). 'norm' is the
   # default: in the selection experiment (RESULTS.md, "Selection") it beat the paper's rule and
   # random recovery at no extra cost and closed as much of the loss gap as the best fixed set in
   # hindsight where the low-cost error is concentrated; 'gap' (an extra forward+backward per
@@ -66,6 +67,9 @@ def gnmr_config() -> ml_collections.ConfigDict:
   c.priority = "norm"
   # 'gap'/'relgap' only: weight of the old estimate when a new measurement arrives, in [0, 1).
   c.gap_decay = 0.0
+  # 'fixed' only: a regex searched in the unit names ('layers/mlp/down/kernel[3]': the leaf path,
+  # [l] for layer l of a layer-stacked leaf); the 1 to max_o matching units are the static set.
+  c.fixed_units = ""
   return c
 
 
@@ -280,6 +284,22 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     _float(g, "gnmr", "gap_decay", 0.0, inclusive=True)
   if g.get("gap_decay", 0.0) >= 1:
     raise ValueError(f"config.gnmr.gap_decay must be in [0, 1), got {g.gap_decay!r}.")
+  fixed_units = g.get("fixed_units", "")
+  if not isinstance(fixed_units, str):
+    raise ValueError(f"config.gnmr.fixed_units must be a regex string, got {fixed_units!r}.")
+  if priority == "fixed" and not fixed_units:
+    raise ValueError("config.gnmr.priority='fixed' recovers the units matching "
+                     "config.gnmr.fixed_units: set it to a regex over unit names (e.g. "
+                     "r'mlp/down').")
+  if fixed_units and priority != "fixed":
+    raise ValueError(f"config.gnmr.fixed_units={fixed_units!r} is read by priority 'fixed' only; "
+                     f"config.gnmr.priority is {priority!r}.")
+  if fixed_units:
+    try:
+      re.compile(fixed_units)
+    except re.error as e:
+      raise ValueError(f"config.gnmr.fixed_units is not a valid regex ({fixed_units!r}: {e})."
+                       ) from None
   gap_every = config.diagnostics.recovery_gap_every if "diagnostics" in config else 0
   if "diagnostics" in config:
     _int(config.diagnostics, "diagnostics", "recovery_gap_every", 0)

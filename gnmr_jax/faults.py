@@ -37,6 +37,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from gnmr_jax.control import units as units_lib
+
 KINDS = ("scale", "nan", "inf", "corrupt_output", "nan_loss")
 GRADIENT_KINDS = ("scale", "nan", "inf")
 DEFAULT_FACTOR = 10.0
@@ -155,13 +157,9 @@ def resolve(specs: Sequence[FaultSpec], unit_names: Sequence[str]) -> list[Fault
 
 
 def unit_names_of(layout) -> list[str]:
-  """Unit names in controller order ('path[l]' for layer-stacked leaves), from a unit layout."""
-  names = []
-  for info in layout:
-    if info.is_unit:
-      names.extend([f"{info.path}[{i}]" for i in range(info.unit_shape[0])]
-                   if info.unit_shape else [info.path])
-  return names
+  """Unit names in controller order ('path[l]' for layer-stacked leaves), from a unit layout
+  (a :class:`gnmr_jax.control.UnitLayout`, or a sequence of its LeafUnits)."""
+  return units_lib.UnitLayout(tuple(layout), None).names()
 
 
 class FaultInjector:

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gnmr_jax.controller import controller_state
+from gnmr_jax.control.state import controller_state
 from gnmr_jax.model import PROJECTION_UNITS_REGEX
-from gnmr_jax.units import path_to_str
+from gnmr_jax.control.units import path_to_str
 
 _PROJECTION = re.compile(PROJECTION_UNITS_REGEX)
 

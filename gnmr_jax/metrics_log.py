@@ -114,7 +114,7 @@ class MetricsLogger:
     """One measured step of the recovery-gap instrument (gnmr_jax/recovery_gap.py)."""
     if not self.enabled:
       return
-    from gnmr_jax.recovery_gap import summarize  # pylint: disable=g-import-not-at-top
+    from gnmr_jax.control.recovery_gap import summarize  # pylint: disable=g-import-not-at-top
     gap = np.nan_to_num(np.asarray(gap, np.float64), nan=0.0, posinf=1e30)
     rec_norm = np.asarray(rec_norm, np.float64)
     rel = np.where(rec_norm > 0, gap / np.where(rec_norm > 0, rec_norm, 1.0),
@@ -160,7 +160,7 @@ def read_jsonl(path: str) -> list[dict]:
 def flat_unit_names(mask_tree) -> list[str]:
   """Names of the units in controller flattening order ('path[l]' for layer-stacked leaves)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from gnmr_jax.units import path_to_str  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.control.units import path_to_str  # pylint: disable=g-import-not-at-top
   names = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(mask_tree)[0]:
     name = path_to_str(path)

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from gnmr_jax import units as units_lib
-from gnmr_jax.selection import prioritized
+from gnmr_jax import control
+from gnmr_jax.control import units as units_lib
 
 
 def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -21,15 +21,8 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> 
       end_value=opt.learning_rate * opt.min_lr_ratio)
 
 
-def controller_from_config(g: ml_collections.ConfigDict,
-                           seed: int = 0) -> optax.GradientTransformationExtraArgs:
-  """The controller of config.gnmr: gnmr_jax.gnmr(...) for priority 'gnmr' (the paper's rule),
-  else gnmr_jax.selection.prioritized(priority, ...) with the same budget, lock and warmup.
-  `seed` seeds priority='random'."""
-  return prioritized(g.get("priority", "gnmr"), alpha=g.alpha, beta=g.beta, delta=g.delta,
-                     max_o=g.max_o, t_lock=g.t_lock, warmup=g.warmup, units=g.units or None,
-                     layer_axis=g.layer_axis or None, gap_decay=g.get("gap_decay", 0.0),
-                     seed=seed)
+# Moved to gnmr_jax.control.from_config; the old name keeps working.
+controller_from_config = control.from_config
 
 
 class ZeroNonfiniteState(NamedTuple):
@@ -114,5 +107,5 @@ def make_optimizer(config: ml_collections.ConfigDict,
   elif opt.nonfinite == "zero":
     update = zero_nonfinite_units(update, config.gnmr.units or None,
                                   config.gnmr.layer_axis or None)
-  parts = [controller_from_config(config.gnmr, config.train.seed)] if config.gnmr.enabled else []
+  parts = [control.from_config(config.gnmr, config.train.seed)] if config.gnmr.enabled else []
   return optax.chain(*parts, update)

@@ -276,12 +276,13 @@ def test_config_selects_each_priority_and_refuses_a_gap_priority_without_measure
   for priority in selection.PRIORITIES:
     config.gnmr.priority = priority
     config.diagnostics.recovery_gap_every = 10 if priority in selection.GAP_PRIORITIES else 0
+    config.gnmr.fixed_units = "attn/q" if priority == "fixed" else ""  # its set (1 unit)
     validate_config(config, 1)
     tx = optim.make_optimizer(config)
     state = tx.init({"layers": {"attn": {"q": {"kernel": jnp.zeros((2, 4, 4))}}}})
     gnmr_jax.controller_state(state)  # exactly one GNMRState, found inside
     assert (selection.gap_estimate(state) is None) == (priority == "gnmr")
-  config.gnmr.priority = "gap"
+  config.gnmr.priority, config.gnmr.fixed_units = "gap", ""
   config.diagnostics.recovery_gap_every = 0
   with pytest.raises(ValueError, match="recovery_gap_every"):
     validate_config(config, 1)

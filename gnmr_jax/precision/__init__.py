@@ -19,6 +19,7 @@ from gnmr_jax.precision.backend import default_low_cost_path as default_low_cost
 from gnmr_jax.precision.config import default_precision_config as default_precision_config
 from gnmr_jax.precision.config import validate_config as validate_config
 from gnmr_jax.precision.policy import make_policy as make_policy
+from gnmr_jax.precision.policy import recovery_policy as recovery_policy
 from gnmr_jax.precision.policy import PrecisionPolicy as PrecisionPolicy
 from gnmr_jax.precision.registry import available_paths as available_paths
 from gnmr_jax.precision.registry import register_path as register_path

@@ -290,3 +290,22 @@ def make_policy(config: ml_collections.ConfigDict,
       routed_scan_unroll=config.routed_scan_unroll,
       recovery_storage=config.recovery_storage,
       side_buffer_units=config.side_buffer_units or max_recovered)
+
+
+def recovery_policy(config: ml_collections.ConfigDict) -> PrecisionPolicy:
+  """A static policy that runs every unit on the configured *recovery* path (no conds).
+
+  The recovery-gap measurement computes g_rec with it: the same numerics as a routed policy
+  with every bit True, without a cond per unit or a side buffer sized for max_o units.
+
+  Example:
+    >>> from gnmr_jax.precision import default_precision_config
+    >>> policy = recovery_policy(default_precision_config())
+    >>> policy.routed, policy.low_cost_path, policy.recovery_path
+    (False, 'bf16', 'bf16')
+  """
+  make_policy(config)  # validates every field
+  name = config.recovery_path
+  path = registry.get_path(name)(config, 'recovery')
+  return PrecisionPolicy(routed=False, low_cost=path, recovery=path,
+                         low_cost_path=name, recovery_path=name)

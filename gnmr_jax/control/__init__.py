@@ -1,0 +1,33 @@
+"""Everything that decides the recovery mask: unit layout, the paper's rule, priorities, the gap.
+
+Modules:
+  units          which leaves are recoverable units; :class:`UnitLayout`, the per-unit codec
+  paper          the paper's rule, exactly (:func:`gnmr`, :class:`GNMRState`)
+  priorities     budgeted controllers ranking by other signals (:func:`prioritized`: 'norm',
+                 the default, 'gap', 'hybrid', 'random', 'fixed', ...)
+  recovery_gap   the recovery-gap measurement (:func:`measure`, :class:`GapProbe`)
+  state          readers: :func:`recovery_mask`, :func:`controller_state`
+  config         :func:`from_config`, the controller of ``config.gnmr``
+
+This package imports jax, optax and itself only: it never imports the precision paths.
+"""
+
+from gnmr_jax.control.config import from_config as from_config
+from gnmr_jax.control.paper import GNMRState as GNMRState
+from gnmr_jax.control.paper import GNMRTelemetry as GNMRTelemetry
+from gnmr_jax.control.paper import gnmr as gnmr
+from gnmr_jax.control.priorities import GAP_PRIORITIES as GAP_PRIORITIES
+from gnmr_jax.control.priorities import PRIORITIES as PRIORITIES
+from gnmr_jax.control.priorities import PriorityState as PriorityState
+from gnmr_jax.control.priorities import needs_recovery_gap as needs_recovery_gap
+from gnmr_jax.control.priorities import prioritized as prioritized
+from gnmr_jax.control.priorities import random_recovery as random_recovery
+from gnmr_jax.control.recovery_gap import GapProbe as GapProbe
+from gnmr_jax.control.recovery_gap import GradientPasses as GradientPasses
+from gnmr_jax.control.recovery_gap import RecoveryGap as RecoveryGap
+from gnmr_jax.control.recovery_gap import measure as measure
+from gnmr_jax.control.state import controller_state as controller_state
+from gnmr_jax.control.state import gap_estimate as gap_estimate
+from gnmr_jax.control.state import recovery_mask as recovery_mask
+from gnmr_jax.control.units import UnitLayout as UnitLayout
+from gnmr_jax.control.units import layout_of as layout_of

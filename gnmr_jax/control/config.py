@@ -1,0 +1,32 @@
+"""The controller of a config group (``config.gnmr``): the one place that maps it to a transform."""
+
+from __future__ import annotations
+
+import optax
+
+from gnmr_jax.control.priorities import prioritized
+
+
+def from_config(g, seed: int = 0) -> optax.GradientTransformationExtraArgs:
+  """The controller of ``config.gnmr``: :func:`gnmr_jax.gnmr` for priority 'gnmr' (the paper's
+  rule), else :func:`gnmr_jax.prioritized` (priority, ...) with the same budget, lock and warmup.
+
+  Args:
+    g: the ``config.gnmr`` ConfigDict (gnmr_jax.config.gnmr_config()).
+    seed: seeds priority 'random'.
+
+  Returns:
+    The controller transform; chain it first into the optimizer.
+
+  Example:
+    >>> from gnmr_jax.config import gnmr_config
+    >>> from gnmr_jax import control
+    >>> g = gnmr_config()
+    >>> g.priority, g.max_o = 'fixed', 2
+    >>> g.fixed_units = r'mlp/down'
+    >>> tx = control.from_config(g)
+  """
+  return prioritized(g.get("priority", "gnmr"), alpha=g.alpha, beta=g.beta, delta=g.delta,
+                     max_o=g.max_o, t_lock=g.t_lock, warmup=g.warmup, units=g.units or None,
+                     layer_axis=g.layer_axis or None, gap_decay=g.get("gap_decay", 0.0),
+                     seed=seed, fixed_units=g.get("fixed_units", "") or None)

@@ -1,0 +1,297 @@
+"""Budgeted controllers that rank units by other signals than the paper's GNMR score.
+
+:func:`gnmr_jax.gnmr` is the paper's rule and stays exactly that. This module keeps
+its budget (``max_o`` units per step), its warmup and a lock, but ranks the units
+by one of these priorities:
+
+  'gnmr'    the paper's rule (returns :func:`gnmr_jax.gnmr` itself).
+  'norm'    the raw gradient-norm level ||g_u(t)||: the units with the largest
+            gradients run the recovery path at t + 1. Free: the controller
+            computes the norms anyway.
+  'gap'     a measured recovery gap e_u (gnmr_jax/recovery_gap.py: u's low-cost
+            against its recovery gradient), passed in by the train step every K
+            steps (``recovery_gap=`` extra argument, a RecoveryGap); each unit
+            keeps the estimate est <- gap_decay * est + (1 - gap_decay) * e_u (the
+            first measurement is taken as is), updated where the measurement is
+            ``valid``: every unit with the 'uniform' and 'swapped' measuring passes;
+            with the 'recovery' pass (the default) only the units outside the mask, so
+            the units a measurement selects keep that estimate while they stay
+            selected (in practice the set picked by the first measurement).
+  'relgap'  the norm level scaled by a measured *relative* gap: ||g_u(t)|| * r_u with
+            r_u the estimate (as for 'gap') of e_u / ||g_rec,u|| from the measurements
+            (1 before u's first one). Meant to age better than a stale absolute gap
+            if the relative error of a unit's path moved slowly; on the CPU scenario
+            model it did not (RESULTS.md, "Selection": it ranked like 'norm' and closed
+            no more of the loss gap).
+  'oracle'  'gap' with ``gap_decay=0``: the last measurement alone. Measured at
+            every step it is the lagged oracle (top-max_o by e_u(t), used at
+            t + 1), a baseline rather than a deployable controller.
+  'hybrid'  GNMR's transient risk wins the budget first (units over alpha_t or
+            beta_t, ranked by the paper's score r), the norm level fills it.
+  'random'  max_o units drawn uniformly at random (the same-budget baseline).
+  'fixed'   a static set: the units whose name matches the ``fixed_units`` regex (at most
+            max_o of them) run the recovery path at every step after warmup; no signal,
+            no lock. A set chosen in hindsight, or a practitioner's static recipe.
+
+Rules shared by every priority except 'gnmr', for the mask of step t + 1:
+
+  tier     = 3 if n_t is not finite (not for 'random', which stays uniform); 'hybrid'
+             only: 2 if risky by the paper's rule (then ranked by the paper's score r);
+             1 if lock > 0; else 0
+  mask     = the max_o units first by tier, then by priority (ties: tree order)
+  lock     = t_lock for a unit that enters the mask (not in the mask of step t),
+             lock - 1 for a locked unit, else 0
+
+so a unit that enters the mask stays in it for at least t_lock + 1 steps (unless
+non-finite units, or for 'hybrid' risky ones, take its place), the active set does not thrash between units of
+nearly equal priority, and a non-finite gradient is recovered at once. Every unit
+is a candidate (these priorities are persistent signals, not alarms), so the mask
+holds min(max_o, N) units every step after warmup ('fixed': its set).
+
+The state is a :class:`PriorityState` holding a :class:`gnmr_jax.GNMRState` (the
+paper's statistics, computed as by ``gnmr(max_o=0)`` for telemetry and for the
+hybrid's transient risk) whose ``mask``, ``lock`` and budget counts are this
+controller's, so :func:`gnmr_jax.recovery_mask` and the train loop read it unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gnmr_jax.control import checks as _checks
+from gnmr_jax.control import paper as gnmr_lib
+from gnmr_jax.control import units as units_lib
+
+PRIORITIES = ("gnmr", "norm", "gap", "relgap", "oracle", "hybrid", "random", "fixed")
+# Priorities that need a measured recovery gap from the train step.
+GAP_PRIORITIES = ("gap", "relgap", "oracle")
+
+
+class PriorityState(NamedTuple):
+  """State of :func:`prioritized` (per-unit leaves mirror the params like GNMRState's)."""
+  controller: gnmr_lib.GNMRState  # paper statistics; mask/lock/budget counts are ours
+  gap: Any          # float32: recovery-gap estimate per unit (0 before the first measurement;
+                    # 'relgap': of e_u / ||g_rec,u||)
+  gap_count: Any    # int32: valid measurements folded into `gap`
+  value: Any        # float32: the priority each unit was ranked by at the last step ('random':
+                    # its draw; 'fixed': 1 in the set, else 0)
+
+
+def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alpha=2.0,
+                beta=1.5, delta: int = 8, units=None, layer_axis=None, gap_decay: float = 0.0,
+                seed: int = 0, fixed_units=None) -> optax.GradientTransformationExtraArgs:
+  """A budgeted recovery controller ranking units by ``priority`` (module docstring).
+
+  Args:
+    priority: one of :data:`PRIORITIES`.
+    max_o: units recovered per step (>= 0; capped at the number of units).
+    t_lock: steps a unit that enters the mask stays locked in (>= 0).
+    warmup: first steps with an empty mask (>= 0).
+    alpha, beta, delta: the paper's thresholds and window, for the GNMR statistics
+      kept in the state (telemetry) and the hybrid's transient risk.
+    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
+    gap_decay: 'gap'/'relgap' only: weight of the old estimate at each measurement, in [0, 1).
+    seed: 'random' only: seed of the draws.
+    fixed_units: 'fixed' only: a regex searched in the unit names
+      (:meth:`UnitLayout.names`: the leaf path, 'path[l]' for layer l of a stacked leaf);
+      the matching units (1 to max_o of them) are the set.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` passing updates through; its
+    ``update`` takes an optional ``recovery_gap=`` (a RecoveryGap) extra argument.
+    For 'gnmr', :func:`gnmr_jax.gnmr` itself (which ignores ``recovery_gap``).
+
+  Raises:
+    ValueError: an unknown priority or an invalid argument, before any tracing; for
+      'fixed', at init, a regex that matches no unit or more than max_o units.
+
+  Example:
+    The two units with the largest gradients are recovered at the next step:
+
+    >>> import jax.numpy as jnp, gnmr_jax
+    >>> from gnmr_jax import selection
+    >>> tx = selection.prioritized('norm', max_o=2, t_lock=0)
+    >>> params = {'a': jnp.ones((2, 2)), 'b': jnp.ones((2, 2)), 'c': jnp.ones((2, 2))}
+    >>> grads = {'a': 3 * jnp.ones((2, 2)), 'b': jnp.ones((2, 2)), 'c': 2 * jnp.ones((2, 2))}
+    >>> _, state = tx.update(grads, tx.init(params), params)
+    >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
+    {'a': True, 'b': False, 'c': True}
+  """
+  if priority not in PRIORITIES:
+    raise ValueError(f"prioritized: `priority` must be one of {PRIORITIES}, got {priority!r}.")
+  if priority == "gnmr":
+    return gnmr_lib.gnmr(alpha=alpha, beta=beta, delta=delta, max_o=max_o, t_lock=t_lock,
+                         warmup=warmup, units=units, layer_axis=layer_axis)
+  for name, value in (("max_o", max_o), ("t_lock", t_lock), ("seed", seed)):
+    _checks.check_int(f"gnmr: `{name}`", value, 0, _checks.STATIC_HINT)
+  _checks.check_fraction("prioritized: `gap_decay`", gap_decay)
+  if priority == "oracle":
+    gap_decay = 0.0
+  fixed_pattern = None
+  if priority == "fixed":
+    if not isinstance(fixed_units, str) or not fixed_units:
+      raise ValueError(f"prioritized: priority 'fixed' needs `fixed_units`, a regex searched in "
+                       f"the unit names, got {fixed_units!r}.")
+    fixed_pattern = units_lib.compile_selector(fixed_units, "fixed_units")
+  elif fixed_units is not None:
+    raise ValueError(f"prioritized: `fixed_units` is read by priority 'fixed' only, not by "
+                     f"{priority!r}.")
+  # The paper's statistics without its selection (max_o=0 never selects or locks).
+  inner = gnmr_lib.gnmr(alpha=alpha, beta=beta, delta=delta, max_o=0, t_lock=0,
+                        warmup=warmup, units=units, layer_axis=layer_axis)
+  unit_selector = units_lib.compile_selector(units, "units")
+  axis_selector = units_lib.compile_selector(layer_axis, "layer_axis")
+
+  def fixed_set(layout):
+    """The 'fixed' set as a bool [N] NumPy vector (names are static)."""
+    names = layout.names()
+    in_set = [fixed_pattern.search(name) is not None for name in names]
+    if not any(in_set) or sum(in_set) > max_o:
+      raise ValueError(
+          f"prioritized: `fixed_units` {fixed_units!r} matches {sum(in_set)} units; the fixed "
+          f"set must hold 1 to max_o={max_o}. Unit names are e.g. {names[:6]}.")
+    return jnp.asarray(in_set)
+
+  def init_fn(params):
+    ctl = inner.init(params)
+    if fixed_pattern is not None and not gnmr_lib.is_params_placeholder(params):
+      fixed_set(units_lib.resolve_units(params, unit_selector, axis_selector))
+    return PriorityState(controller=ctl,
+                         gap=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm),
+                         gap_count=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm_count),
+                         value=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm))
+
+  def update_fn(updates, state, params=None, recovery_gap=None, **extra_args):
+    # The inner controller never selects; it gets no lock, so its candidate count stays the
+    # paper's alarm count (risky units) instead of counting this controller's locks.
+    lock_tree = state.controller.lock
+    inner_state = state.controller._replace(
+        lock=jax.tree_util.tree_map(jnp.zeros_like, lock_tree))
+    updates, ctl = inner.update(updates, inner_state, params, **extra_args)
+    layout = units_lib.resolve_units(updates, unit_selector, axis_selector)
+    num_units = layout.num_units
+    if num_units == 0:
+      return updates, state._replace(controller=ctl)
+    flat = layout.flat
+    step = ctl.count
+    norm = flat(ctl.norm)
+    prev_mask = flat(state.controller.mask)
+    lock = flat(lock_tree)
+    gap, gap_count = flat(state.gap), flat(state.gap_count)
+
+    if recovery_gap is not None:
+      _check_gap_layout(recovery_gap, state.gap)
+      measured = flat(recovery_gap.gap).astype(jnp.float32)
+      if priority == "relgap":  # 0 / 0 = 0; a gap over a zero recovery gradient is not finite
+        rec_norm = flat(recovery_gap.rec_norm).astype(jnp.float32)
+        measured = jnp.where(measured == 0, 0.0, measured / jnp.where(measured == 0, 1.0,
+                                                                       rec_norm))
+      valid = flat(recovery_gap.valid) & jnp.isfinite(measured)
+      blended = jnp.where(gap_count > 0, gap_decay * gap + (1 - gap_decay) * measured, measured)
+      gap = jnp.where(valid, blended, gap)
+      gap_count = gap_count + valid.astype(jnp.int32)
+
+    finite = jnp.isfinite(norm)
+    tier = jnp.where(lock > 0, 1, 0)
+    if priority in ("norm", "hybrid", "relgap"):
+      value = jnp.where(finite, norm, 0.0)
+      if priority == "relgap":  # scaled by the relative gap once u has been measured
+        value = value * jnp.where(gap_count > 0, gap, 1.0)
+    elif priority in GAP_PRIORITIES:
+      value = gap
+    elif priority == "fixed":
+      value = fixed_set(layout).astype(jnp.float32)
+    else:  # random: the first max_o units of a fresh permutation get the top values
+      order = jax.random.permutation(jax.random.fold_in(jax.random.key(seed), step), num_units)
+      value = jnp.zeros((num_units,), jnp.float32).at[order].set(
+          jnp.arange(num_units, 0, -1, dtype=jnp.float32))
+    if priority == "hybrid":  # transient risk outranks locks and is ranked by the paper's score
+      risky = flat(ctl.risky)
+      tier = jnp.where(risky, 2, tier)
+      value = jnp.where(risky, flat(ctl.score), value)
+    if priority == "fixed":  # a static set: no ranking, no lock
+      selected = (value > 0) & (step > warmup)
+      new_lock = jnp.zeros((num_units,), jnp.int32)
+    else:
+      if priority != "random":
+        tier = jnp.where(finite, tier, 3)
+      # lexsort: the last key is the primary one; it is stable, so ties keep tree order.
+      order = jnp.lexsort((-value, -tier))
+      rank = jnp.zeros_like(order).at[order].set(jnp.arange(num_units, dtype=order.dtype))
+      selected = (rank < max_o) & (step > warmup)
+      new_lock = jnp.where(selected & ~prev_mask, t_lock,
+                           jnp.where(lock > 0, lock - 1, 0)).astype(jnp.int32)
+
+    num_active = jnp.sum(selected, dtype=jnp.int32)
+    tel = ctl.telemetry  # num_risky / num_candidates stay the paper's alarm counts
+    telemetry = tel._replace(
+        num_active=num_active,
+        num_locked=jnp.sum(new_lock > 0, dtype=jnp.int32),
+        active_unit_steps=state.controller.telemetry.active_unit_steps + num_active)
+    ctl = ctl._replace(mask=layout.unflat(selected, jnp.bool_),
+                       lock=layout.unflat(new_lock, jnp.int32), telemetry=telemetry)
+    return updates, PriorityState(controller=ctl,
+                                  gap=layout.unflat(gap, jnp.float32),
+                                  gap_count=layout.unflat(gap_count, jnp.int32),
+                                  value=layout.unflat(value, jnp.float32))
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _layout_description(tree) -> dict:
+  return {units_lib.path_to_str(path): tuple(jnp.shape(leaf))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_gap_layout(recovery_gap, estimate) -> None:
+  """A RecoveryGap measured with another unit layout than the controller's is refused: it
+  would be folded into the wrong units (or fail to reshape deep inside the update)."""
+  got, want = _layout_description(recovery_gap.gap), _layout_description(estimate)
+  if got == want:
+    return
+  diffs = [f"{name}: RecoveryGap {got.get(name, 'no such leaf')}, controller "
+           f"{want.get(name, 'no such leaf')}"
+           for name in sorted(set(got) | set(want)) if got.get(name) != want.get(name)]
+  raise ValueError(
+      "prioritized: the recovery_gap= argument has another unit layout than this controller "
+      "(per-unit leaf shapes: () is one unit, (L,) one unit per layer); measure it with the "
+      "controller's `units` and `layer_axis` (recovery_gap.measure(..., units=..., "
+      "layer_axis=...)). Differences: " + "; ".join(diffs[:8])
+      + (f"; ... ({len(diffs)} in all)" if len(diffs) > 8 else ""))
+
+
+def needs_recovery_gap(priority: str) -> bool:
+  """Whether a priority ranks by a measured recovery gap (the train step must measure it)."""
+  return priority in GAP_PRIORITIES
+
+
+def random_recovery(max_o: int, seed: int = 0, *, units=None, layer_axis=None,
+                    warmup: int = 0, alpha: float = 2.0, beta: float = 1.5,
+                    delta: int = 8) -> optax.GradientTransformationExtraArgs:
+  """Recovers ``max_o`` units drawn uniformly at random each step (same budget as GNMR).
+
+  ``prioritized('random', t_lock=0)``: the paper's statistics (with ``alpha``/``beta``/
+  ``delta``, so the threshold-exceedance telemetry is comparable to a GNMR run) and, after
+  step ``warmup``, the mask for step t+1 is the first ``max_o`` entries of
+  ``jax.random.permutation(fold_in(key(seed), t), N)`` over the N units in tree order
+  (slices of layer-stacked leaves in layer order). Locks stay 0;
+  ``telemetry.num_active``/``active_unit_steps`` count the random mask.
+
+  Args:
+    max_o: units recovered per step (>= 0; capped at the number of units).
+    seed: seed of the draws.
+    units, layer_axis: as in :func:`gnmr_jax.gnmr`.
+    warmup: steps with an empty mask (>= 0).
+    alpha, beta, delta: thresholds of the paper's statistics (telemetry only).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state holds a ``GNMRState``.
+  """
+  _checks.check_int("random_recovery: max_o", max_o, 0)
+  _checks.check_int("random_recovery: seed", seed, 0)
+  return prioritized("random", max_o=max_o, t_lock=0, warmup=warmup, alpha=alpha,
+                     beta=beta, delta=delta, units=units, layer_axis=layer_axis, seed=seed)
