@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -143,6 +144,87 @@ class MetricsLogger:
       f.close()
 
 
+class StepStats:
+  """The loop's host-side bookkeeping of each step's metrics (fetched one step late).
+
+  Counts consecutive non-finite steps and side-buffer overflows, times the steps between log
+  lines (the first interval, which includes compilation, is not timed), and writes the train,
+  per-unit and recovery-gap rows of a :class:`MetricsLogger`.
+  """
+
+  def __init__(self, log: MetricsLogger, *, start: int, total: int, tokens_per_step: int,
+               log_every: int, unit_log_every: int, max_o: int):
+    self.log, self.start, self.total = log, start, total
+    self.tokens_per_step = tokens_per_step
+    self.log_every, self.unit_log_every, self.max_o = log_every, unit_log_every, max_o
+    self.bad_streak = 0         # consecutive steps with a non-finite loss or gradient
+    self.dropped_total = 0      # recoveries the side buffer had no room for
+    self.timed_steps, self.timed_seconds = 0, 0.0
+    self.last = None            # host metrics of the last observed step
+    self.restart_timer()
+
+  def restart_timer(self) -> None:
+    """Starts a new timed interval (after an evaluation, which is not a step's time)."""
+    self._t_last, self._steps_since_log = time.perf_counter(), 0
+
+  @property
+  def tokens_per_s(self) -> float:
+    if not self.timed_seconds:
+      return float("nan")
+    return self.timed_steps * self.tokens_per_step / self.timed_seconds
+
+  def observe(self, step: int, metrics: dict) -> dict:
+    """Fetches one step's device metrics, updates the counts and writes its log rows."""
+    import jax  # pylint: disable=g-import-not-at-top
+    host = {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
+    self.bad_streak = self.bad_streak + 1 if bool(host["nonfinite"]) else 0
+    self.dropped_total += int(host["side_buffer_dropped"])
+    self._steps_since_log += 1
+    if step % self.log_every == 0 or step == self.total:
+      now = time.perf_counter()
+      dt = (now - self._t_last) / self._steps_since_log
+      if step > self.start + 1:  # the first interval includes compilation
+        self.timed_steps += self._steps_since_log
+        self.timed_seconds += now - self._t_last
+      self._t_last, self._steps_since_log = now, 0
+      scalars = {k: float(v) if v.dtype.kind == "f" else int(v) for k, v in host.items()
+                 if v.ndim == 0}
+      scalars.update(steps_per_s=1.0 / max(dt, 1e-9),
+                     tokens_per_s=self.tokens_per_step / max(dt, 1e-9))
+      self.log.train(step, scalars)
+    every = self.unit_log_every
+    if every and "unit_mask_used" in host and (step % every == 0 or step == self.total):
+      self.log.units(step, host["unit_mask_used"], host["unit_score"], host["unit_gnmr"],
+                     host["unit_delta_gnmr"], host["unit_norm"])
+    if "gap_measured" in host and bool(host["gap_measured"]):
+      self.log.recovery_gap(step, host["unit_gap"], host["unit_gap_rec_norm"],
+                            host["unit_mask_used"], self.max_o)
+    self.log.advance(step)
+    self.last = host
+    return host
+
+
+def truncate_logs(workdir: str, start: int) -> None:
+  """Drops JSONL rows after the step a run resumes from (a killed run logged steps past its last
+  checkpoint, possibly a half-written line), so the logs read as one uninterrupted run."""
+  for name in (METRICS_FILE, EVAL_FILE, UNITS_FILE, GAP_FILE):
+    path = os.path.join(workdir, name)
+    if not os.path.exists(path):
+      continue
+    kept = []
+    with open(path, encoding="utf-8") as f:
+      for line in f:
+        try:
+          row = json.loads(line)
+        except ValueError:  # a line cut short by SIGKILL
+          continue
+        if isinstance(row, dict) and row.get("step", start + 1) <= start:
+          kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
 def read_jsonl(path: str) -> list[dict]:
   """Rows of a JSONL file; the latest row wins per step (resumed runs append)."""
   if not os.path.exists(path):
@@ -176,3 +258,34 @@ def flat_units(tree, unit_leaf_flags: Optional[Sequence[bool]] = None) -> np.nda
   if unit_leaf_flags is not None:
     leaves = [l for l, keep in zip(leaves, unit_leaf_flags) if keep]
   return np.concatenate([np.ravel(np.asarray(l)) for l in leaves]) if leaves else np.zeros(0)
+
+
+def format_summary(summary: dict) -> str:
+  """The human summary printed at the end of train.py."""
+  lines = [f"run summary ({summary['workdir']})",
+           f"  steps                     {summary['step']}" +
+           ("  (preempted: checkpoint saved)" if summary.get("preempted") else ""),
+           f"  precision                 {summary['precision_mode']} / {summary['low_cost_path']}",
+           *([f"  resumed from step         {summary['resumed_from_step']}"]
+             if summary.get("resumed_from_step") else []),
+           *[f"  corrupted checkpoint      step {s} skipped ({r[:120]})"
+             for s, r in summary.get("corrupted_checkpoints", [])],
+           f"  parameters                {summary['num_params']:,}"]
+  if "eval_perplexity" in summary:
+    lines.append(f"  validation perplexity     {summary['eval_perplexity']:.3f} "
+                 f"(loss {summary['eval_loss']:.4f} nats/token; unigram baseline "
+                 f"{summary['unigram_perplexity']:.2f})")
+  if "recovered_unit_steps_pct" in summary:
+    # In a static mode the controller only measures: nothing ran on the recovery path.
+    label = ("recovered unit-steps     " if summary["precision_mode"] == "gnmr"
+             else "would-recover unit-steps ")
+    lines.append(f"  {label} {summary['recovered_unit_steps_pct']:.3f}% of "
+                 f"{summary['num_units']} units x {summary['step']} steps "
+                 f"(threshold exceedance {summary['threshold_exceedance_pct']:.3f}%)")
+  lines.append(f"  tokens/s                  {summary['tokens_per_s']:.0f}")
+  if summary.get("side_buffer_dropped"):
+    lines.append(f"  WARNING: {summary['side_buffer_dropped']} recoveries found the side buffer full "
+                 "and ran the low-cost path (precision.side_buffer_units < recovered units)")
+  for name, path in (summary.get("plots") or {}).items():
+    lines.append(f"  plot {name:20s} {path}")
+  return "\n".join(lines)

@@ -37,6 +37,7 @@ import ml_collections
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from gnmr_jax.control.units import path_to_str
 from gnmr_jax.model_configs import validate_model_config
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -196,3 +197,20 @@ def activation_sharding(mesh: Mesh, rules: LogicalRules | None = None) -> Iterat
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     yield
 
+
+def opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, replicated):
+  """Optimizer-state leaves that mirror a param (same path suffix and shape) get its sharding;
+  everything else (counters, the controller's small per-unit leaves) is replicated."""
+  by_path = {}
+  for (path, leaf), sh in zip(jax.tree_util.tree_flatten_with_path(abstract_params)[0],
+                              jax.tree_util.tree_leaves(param_shardings)):
+    by_path[path_to_str(path)] = (tuple(leaf.shape), sh)
+
+  def pick(path, leaf):
+    name = path_to_str(path)
+    for pname, (shape, sh) in by_path.items():
+      if (name == pname or name.endswith("/" + pname)) and tuple(leaf.shape) == shape:
+        return sh
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)

@@ -1,21 +1,21 @@
 """The training loop: `train_and_evaluate(config, workdir)`, used by train.py and the notebooks.
 
-One jitted, sharded train step with donated state: forward/backward with the recovery mask
-from the optimizer state, optax.chain(gnmr, guard(clip, adamw)). Metrics are fetched one step
-late so the host never waits on the device; checkpoints hold params, optimizer + GNMR state,
-the RNG and the data iterator position, so a reused --workdir resumes exactly.
+`build` maps a config to objects (data, policy, model, optimizer chain, mesh, shardings) and
+jits the module-level steps of gnmr_jax/train_step.py once, with donated state: forward/
+backward with the recovery mask from the optimizer state, optax.chain(controller,
+guard(clip, adamw)). The loop fetches metrics one step late so the host never waits on the
+device; checkpoints hold params, optimizer + controller state, the RNG and the data iterator
+position, so a reused --workdir resumes exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import math
 import os
 import signal
-import sys
-import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,21 +24,20 @@ import numpy as np
 import optax
 import flax.linen as nn
 
-from gnmr_jax import checkpointing, metrics_log, recovery_gap, sharding
+from gnmr_jax import checkpointing, metrics_log, sharding
 from gnmr_jax import faults as faults_lib
 from gnmr_jax.config import validate_config
-from gnmr_jax.controller import GNMRState, controller_state
+from gnmr_jax.control import recovery_gap as gap_lib
+from gnmr_jax.control import units as units_lib
 from gnmr_jax.data import make_data
+from gnmr_jax.metrics_log import format_summary as format_summary  # public here too
 from gnmr_jax.model import Transformer
 from gnmr_jax.optim import learning_rate_schedule, make_optimizer
-from gnmr_jax.precision import make_policy
-
-
-class TrainState(NamedTuple):
-  step: jax.Array       # int32 []
-  params: Any           # float32 params tree (unboxed 'params' collection)
-  opt_state: Any        # optax state, GNMRState inside
-  rng: jax.Array        # uint32 [2]: raw key data, for any stochastic part of the step
+from gnmr_jax.precision import make_policy, recovery_policy
+from gnmr_jax.train_step import StepSpec as StepSpec
+from gnmr_jax.train_step import TrainState as TrainState
+from gnmr_jax.train_step import cross_entropy as cross_entropy
+from gnmr_jax import train_step as step_lib
 
 
 @dataclasses.dataclass
@@ -58,142 +57,7 @@ class Run:
   eval_step: Any        # jitted (state, batch) -> (sum_loss, num_tokens)
   unit_names: list
   faults: Any = None    # gnmr_jax.faults.FaultInjector when config.faults is on, else None
-
-
-def cross_entropy(logits_BxSxV, targets_BxS):
-  """Mean next-token cross-entropy in nats (float32)."""
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, targets_BxS)
-  return jnp.mean(losses), jnp.sum(losses), targets_BxS.size
-
-
-def _controller(opt_state) -> Optional[GNMRState]:
-  try:
-    return controller_state(opt_state)
-  except ValueError:
-    return None
-
-
-def _unit_layout(unit_regex, layer_regex, params) -> list:
-  from gnmr_jax import units as units_lib  # pylint: disable=g-import-not-at-top
-  return units_lib.layout_of(params, unit_regex or None, layer_regex or None)
-
-
-def _make_train_step(model, tx, routed: bool, unit_flags: list, schedule, injector=None,
-                     gap_model=None, gap_every: int = 0, gap_start: int = 1,
-                     unit_selectors=(None, None), gap_pass: str = "swapped"):
-  def select(tree):
-    leaves = [l for l, keep in zip(jax.tree_util.tree_leaves(tree), unit_flags) if keep]
-    return jnp.concatenate([jnp.ravel(l) for l in leaves]) if leaves else jnp.zeros((0,))
-
-  def train_step(state: TrainState, batch):
-    ctl = _controller(state.opt_state)
-    mask = ctl.mask if (routed and ctl is not None) else None
-    step_number = state.step + 1  # 1-based, as logged
-
-    def loss_fn(params):
-      if injector is not None:  # reliability tests only (config.faults)
-        params = injector.corrupt_params(params, step_number,
-                                         select(mask) if mask is not None else None)
-      logits, sown = model.apply({"params": params}, batch["inputs"], recovery_mask=mask,
-                                 mutable=["intermediates"])
-      loss, _, _ = cross_entropy(logits, batch["targets"])
-      if injector is not None:
-        loss = injector.corrupt_loss(loss, step_number)
-      # Recoveries the side buffer had no room for (0 with the controller's mask).
-      dropped = sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(
-          sown.get("intermediates", {}).get("side_buffer_dropped", ())))
-      return loss, jnp.asarray(dropped, jnp.int32)
-
-    (loss, dropped), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    if injector is not None:
-      grads = injector.corrupt_grads(grads, step_number)
-    extra = {}
-    if gap_every:
-      units, layer_axis = unit_selectors
-      # Steps gap_start, gap_start + K, gap_start + 2K, ...
-      gap_measured = (step_number >= gap_start) & ((step_number - gap_start) % gap_every == 0)
-
-      def measure(_):
-        def pass_grads(pass_model, pass_mask):
-          def pass_loss(params):
-            logits = pass_model.apply({"params": params}, batch["inputs"],
-                                      recovery_mask=pass_mask)
-            return cross_entropy(logits, batch["targets"])[0]
-          return jax.grad(pass_loss)(state.params)
-
-        if gap_pass == "uniform":  # every unit low-cost against every unit recovered
-          grads_low = grads if mask is None else pass_grads(model, None)
-          return recovery_gap.unit_gaps(grads_low, pass_grads(gap_model, None), None,
-                                        units=units, layer_axis=layer_axis)
-        swap = gap_pass == "swapped"
-        other = None if (mask is None or not swap) else recovery_gap.swapped_mask(
-            mask, state.params, units=units, layer_axis=layer_axis)
-        return recovery_gap.unit_gaps(grads, pass_grads(gap_model, other), mask, swapped=swap,
-                                      units=units, layer_axis=layer_axis)
-
-      def skip(_):
-        return recovery_gap.not_measured(state.params, units=units, layer_axis=layer_axis)
-
-      # One extra forward+backward on the measured steps only (two for the 'uniform' pass of a
-      # routed step).
-      extra["recovery_gap"] = jax.lax.cond(gap_measured, measure, skip, None)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params, **extra)
-    params = optax.apply_updates(state.params, updates)
-    grad_norm = optax.tree.norm(grads)
-    metrics = {"loss": loss, "grad_norm": grad_norm,
-               "learning_rate": schedule(state.step),
-               "nonfinite": ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm)),
-               "side_buffer_dropped": dropped}
-    new_ctl = _controller(opt_state)
-    if new_ctl is not None:
-      tel = new_ctl.telemetry
-      metrics.update(num_units=tel.num_units, num_risky=tel.num_risky,
-                     num_candidates=tel.num_candidates, num_active=tel.num_active,
-                     num_locked=tel.num_locked, num_nonfinite_units=tel.num_nonfinite,
-                     active_unit_steps=tel.active_unit_steps,
-                     risky_unit_steps=tel.risky_unit_steps,
-                     # Recovery mask used by *this* step, and the per-unit scores it produced.
-                     unit_mask_used=select(ctl.mask), unit_mask_next=select(new_ctl.mask),
-                     unit_score=select(new_ctl.score), unit_gnmr=select(new_ctl.gnmr),
-                     unit_delta_gnmr=select(new_ctl.delta_gnmr), unit_norm=select(new_ctl.norm))
-    if gap_every:
-      gap = extra["recovery_gap"]
-      metrics.update(gap_measured=gap_measured,
-                     unit_gap=select(gap.gap), unit_gap_rec_norm=select(gap.rec_norm))
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                           rng=state.rng)
-    return new_state, metrics
-
-  return train_step
-
-
-def _make_eval_step(model, routed: bool):
-  def eval_step(state: TrainState, batch):
-    ctl = _controller(state.opt_state)
-    mask = ctl.mask if (routed and ctl is not None) else None
-    logits = model.apply({"params": state.params}, batch["inputs"], recovery_mask=mask)
-    _, total, count = cross_entropy(logits, batch["targets"])
-    return total, jnp.float32(count)
-  return eval_step
-
-
-def _opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, replicated):
-  """Optimizer-state leaves that mirror a param (same path suffix and shape) get its sharding;
-  everything else (counters, the controller's small per-unit leaves) is replicated."""
-  from gnmr_jax.units import path_to_str  # pylint: disable=g-import-not-at-top
-  by_path = {}
-  for (path, leaf), sh in zip(jax.tree_util.tree_flatten_with_path(abstract_params)[0],
-                              jax.tree_util.tree_leaves(param_shardings)):
-    by_path[path_to_str(path)] = (tuple(leaf.shape), sh)
-
-  def pick(path, leaf):
-    name = path_to_str(path)
-    for pname, (shape, sh) in by_path.items():
-      if (name == pname or name.endswith("/" + pname)) and tuple(leaf.shape) == shape:
-        return sh
-    return replicated
-
-  return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
+  spec: Optional[StepSpec] = None  # what train_step / eval_step were jitted with
 
 
 VOCAB_MULTIPLE = 64
@@ -245,59 +109,56 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
     param_sh = sharding.param_shardings(model, mesh, tokens_shape=(1, seq_len))
   state_sh = TrainState(
       step=replicated, params=param_sh,
-      opt_state=_opt_state_shardings(abstract.opt_state, abstract.params, param_sh, replicated),
+      opt_state=sharding.opt_state_shardings(abstract.opt_state, abstract.params, param_sh,
+                                             replicated),
       rng=replicated)
-  # The gap is logged per controller unit: no controller, no measurement.
-  gap_every = (config.diagnostics.recovery_gap_every
-               if "diagnostics" in config and config.gnmr.enabled else 0)
-  # First measured step: 0 means the first step at which the controller selects (warmup + 1):
-  # before it the mask is empty and no priority reads the gap.
-  gap_start = ((config.diagnostics.get("recovery_gap_start", 0) or config.gnmr.warmup + 1)
-               if gap_every else 1)
-  gap_model = None
-  gap_pass = (config.diagnostics.get("recovery_gap_pass", "recovery")
-              if "diagnostics" in config else "recovery")
-  swap = gap_pass == "swapped"
-  if gap_every:  # the same params; each projection on the other path than in the step
-    if policy.routed and swap:  # routed by the swapped mask; per-unit slots: any number recovered
-      gap_precision = ml_collections.ConfigDict(config.precision.to_dict())
-      gap_precision.recovery_storage = "per_unit"
-      gap_model = Transformer(model_config, make_policy(gap_precision))
-    else:  # every projection on the recovery path (no conds): the swapped pass of a static
-      # step, or the 'recovery' pass
-      gap_model = Transformer(model_config, recovery_gap.recovery_policy(config.precision))
-  unit_flags = []
-  unit_names = []
-  layout = _unit_layout(config.gnmr.units, config.gnmr.layer_axis, abstract.params)
+  layout = units_lib.layout_of(abstract.params, config.gnmr.units or None,
+                               config.gnmr.layer_axis or None)
   injector = faults_lib.make_injector(config, layout)
-  if config.gnmr.enabled:
-    unit_flags = [u.is_unit for u in layout]
-    ctl = controller_state(abstract.opt_state)
-    names = metrics_log.flat_unit_names(ctl.mask)
-    # flat_unit_names expands every leaf; keep only the unit leaves' names.
-    offset = 0
-    for path_leaf, keep in zip(jax.tree_util.tree_leaves(ctl.mask), unit_flags):
-      size = max(1, int(np.prod(path_leaf.shape)))
-      if keep:
-        unit_names.extend(names[offset:offset + size])
-      offset += size
-  schedule = learning_rate_schedule(config.optimizer, config.train.steps)
+  probe, recovery_model, swap_model = _gap_probe(config, model_config, policy)
+  spec = StepSpec(model=model, tx=tx, routed=policy.routed,
+                  layout=layout if config.gnmr.enabled else None,
+                  schedule=learning_rate_schedule(config.optimizer, config.train.steps),
+                  injector=injector, probe=probe, recovery_model=recovery_model,
+                  swap_model=swap_model)
   batch_sh = sharding.batch_sharding(mesh)
-  step_fn = _make_train_step(model, tx, policy.routed, unit_flags, schedule, injector,
-                             gap_model=gap_model, gap_every=gap_every, gap_start=gap_start,
-                             gap_pass=gap_pass,
-                             unit_selectors=(config.gnmr.units or None,
-                                             config.gnmr.layer_axis or None))
-  train_step = jax.jit(step_fn,
+  train_step = jax.jit(functools.partial(step_lib.train_step, spec=spec),
                        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                        donate_argnums=0)
-  eval_step = jax.jit(_make_eval_step(model, policy.routed), in_shardings=(state_sh, batch_sh),
-                      out_shardings=replicated)
+  eval_step = jax.jit(functools.partial(step_lib.eval_step, spec=spec),
+                      in_shardings=(state_sh, batch_sh), out_shardings=replicated)
   init_fn = jax.jit(init_state, out_shardings=state_sh)
   return Run(config=config, model_config=model_config, data=data, policy=policy, model=model,
              tx=tx, mesh=mesh, state_shardings=state_sh, batch_sharding=batch_sh,
              init_state=init_fn, train_step=train_step, eval_step=eval_step,
-             unit_names=unit_names, faults=injector)
+             unit_names=layout.names() if config.gnmr.enabled else [], faults=injector,
+             spec=spec)
+
+
+def _gap_probe(config, model_config, policy):
+  """(GapProbe, recovery model, swap model) of config.diagnostics, or Nones when not measured.
+
+  The gap is logged per controller unit: no controller, no measurement. The first measured
+  step 0 means the first step at which the controller selects (warmup + 1): before it the mask
+  is empty and no priority reads the gap.
+  """
+  diagnostics = config.get("diagnostics") or ml_collections.ConfigDict()
+  every = diagnostics.get("recovery_gap_every", 0) if config.gnmr.enabled else 0
+  if not every:
+    return None, None, None
+  measuring_pass = diagnostics.get("recovery_gap_pass", "recovery")
+  probe = gap_lib.GapProbe(
+      every=every, start=diagnostics.get("recovery_gap_start", 0) or config.gnmr.warmup + 1,
+      measuring_pass=measuring_pass, units=config.gnmr.units or None,
+      layer_axis=config.gnmr.layer_axis or None)
+  # The same params with every projection on the recovery path (no conds).
+  recovery_model = Transformer(model_config, recovery_policy(config.precision))
+  swap_model = None
+  if policy.routed and measuring_pass == "swapped":  # per-unit slots: any number recovered
+    swap_precision = ml_collections.ConfigDict(config.precision.to_dict())
+    swap_precision.recovery_storage = "per_unit"
+    swap_model = Transformer(model_config, make_policy(swap_precision))
+  return probe, recovery_model, swap_model
 
 
 def device_batch(run: Run, batch: dict) -> dict:
@@ -340,32 +201,6 @@ class _Preemption:
       signal.signal(signal.SIGTERM, self._previous)
 
 
-def _truncate_logs(workdir: str, start: int) -> None:
-  """Drops JSONL rows after the step a run resumes from (a killed run logged steps past its last
-  checkpoint, possibly a half-written line), so the logs read as one uninterrupted run."""
-  for name in (metrics_log.METRICS_FILE, metrics_log.EVAL_FILE, metrics_log.UNITS_FILE,
-               metrics_log.GAP_FILE):
-    path = os.path.join(workdir, name)
-    if not os.path.exists(path):
-      continue
-    kept = []
-    with open(path, encoding="utf-8") as f:
-      for line in f:
-        try:
-          row = json.loads(line)
-        except ValueError:  # a line cut short by SIGKILL
-          continue
-        if isinstance(row, dict) and row.get("step", start + 1) <= start:
-          kept.append(line if line.endswith("\n") else line + "\n")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-      f.writelines(kept)
-    os.replace(path + ".tmp", path)
-
-
-def _host(metrics: dict) -> dict:
-  return {k: np.asarray(v) for k, v in jax.device_get(metrics).items()}
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=None,
                        devices=None, stop_at: Optional[int] = None, make_tx=None) -> dict:
   """Trains (or resumes) in `workdir` and returns the run summary.
@@ -405,19 +240,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
       train_iter.set_state(data_state)
   total = config.train.steps
   if is_main:
-    _truncate_logs(workdir, start)
+    metrics_log.truncate_logs(workdir, start)
   log = metrics_log.MetricsLogger(
       workdir, total, tensorboard=config.logging.tensorboard,
       progress_bar=config.logging.progress_bar, unit_names=run.unit_names, start_step=start,
       enabled=is_main)
-  tokens_per_step = config.data.batch_size * config.data.seq_len
+  stats = metrics_log.StepStats(
+      log, start=start, total=total,
+      tokens_per_step=config.data.batch_size * config.data.seq_len,
+      log_every=config.logging.log_every, unit_log_every=config.logging.unit_log_every,
+      max_o=config.gnmr.max_o)
   pending = None  # (step, device metrics) fetched one step late
-  bad_streak = 0
-  dropped_total = 0
-  timed_steps, timed_seconds = 0, 0.0
   last_eval = None
-  t_last = time.perf_counter()
-  steps_since_log = 0
 
   def save(step, force=False):
     if ckpt.latest_step() == step:
@@ -425,34 +259,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     meta = {"fingerprint": fingerprint, "step": int(step)}
     ckpt.save(step, state, train_iter.get_state(), meta, force=force)
 
-  def handle(step, metrics):
-    nonlocal bad_streak, t_last, steps_since_log, timed_steps, timed_seconds, dropped_total
-    host = _host(metrics)
-    bad_streak = bad_streak + 1 if bool(host["nonfinite"]) else 0
-    dropped_total += int(host["side_buffer_dropped"])
-    steps_since_log += 1
-    if step % config.logging.log_every == 0 or step == total:
-      now = time.perf_counter()
-      dt = (now - t_last) / steps_since_log
-      if step > start + 1:  # the first interval includes compilation
-        timed_steps += steps_since_log
-        timed_seconds += now - t_last
-      t_last, steps_since_log = now, 0
-      scalars = {k: float(v) if v.dtype.kind == "f" else int(v) for k, v in host.items()
-                 if v.ndim == 0}
-      scalars.update(steps_per_s=1.0 / max(dt, 1e-9), tokens_per_s=tokens_per_step / max(dt, 1e-9))
-      log.train(step, scalars)
-    every = config.logging.unit_log_every
-    if every and "unit_mask_used" in host and (step % every == 0 or step == total):
-      log.units(step, host["unit_mask_used"], host["unit_score"], host["unit_gnmr"],
-                host["unit_delta_gnmr"], host["unit_norm"])
-    if "gap_measured" in host and bool(host["gap_measured"]):
-      log.recovery_gap(step, host["unit_gap"], host["unit_gap_rec_norm"],
-                       host["unit_mask_used"], config.gnmr.max_o)
-    log.advance(step)
-    return host
-
-  last_host = None
   preempted = False
   with _Preemption() as preemption, sharding.activation_sharding(run.mesh):
     step = start
@@ -461,8 +267,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
       state, metrics = run.train_step(state, batch)
       step += 1
       if pending is not None:
-        last_host = handle(*pending)
+        stats.observe(*pending)
       pending = (step, metrics)
+      bad_streak = stats.bad_streak
       if bad_streak >= config.train.max_consecutive_nonfinite:
         guarded = config.optimizer.nonfinite != "none"
         if guarded:  # the guard kept NaN/Inf out of the params: this state is the last good one
@@ -479,18 +286,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
             f"); {what[config.optimizer.nonfinite]}, so {kept}. Lower optimizer.learning_rate or "
             f"check the data.")
       if config.train.eval_every and step % config.train.eval_every == 0 and step < total:
-        last_host = handle(*pending)
+        stats.observe(*pending)
         pending = None
         last_eval = evaluate(run, state)
         log.eval(step, last_eval)
-        t_last, steps_since_log = time.perf_counter(), 0
+        stats.restart_timer()
       if config.checkpoint.every_steps and step % config.checkpoint.every_steps == 0:
         save(step)
       if preemption.requested or (stop_at is not None and step >= stop_at and step < total):
         preempted = True
         break
     if pending is not None:
-      last_host = handle(*pending)
+      stats.observe(*pending)
     if not preempted and (last_eval is None or step % max(config.train.eval_every, 1) or
                           step == total):
       last_eval = evaluate(run, state)
@@ -507,10 +314,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
              "low_cost_path": config.precision.low_cost_path,
              "num_params": int(sum(x.size for x in jax.tree_util.tree_leaves(state.params))),
              "unigram_perplexity": float(run.data.unigram_perplexity),
-             "tokens_per_s": (timed_steps * tokens_per_step / timed_seconds) if timed_seconds else float("nan"),
-             "side_buffer_dropped": dropped_total}
+             "tokens_per_s": stats.tokens_per_s,
+             "side_buffer_dropped": stats.dropped_total}
   if last_eval is not None:
     summary.update(last_eval)
+  last_host = stats.last
   if last_host is not None and "num_units" in last_host:
     unit_steps = max(int(last_host["num_units"]) * int(step), 1)
     # active_unit_steps sums the masks produced at steps 1..T, used at steps 2..T+1 (step 1
@@ -526,34 +334,3 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
   log.summary(summary)
   log.close()
   return summary
-
-
-def format_summary(summary: dict) -> str:
-  """The human summary printed at the end of train.py."""
-  lines = [f"run summary ({summary['workdir']})",
-           f"  steps                     {summary['step']}" +
-           ("  (preempted: checkpoint saved)" if summary.get("preempted") else ""),
-           f"  precision                 {summary['precision_mode']} / {summary['low_cost_path']}",
-           *([f"  resumed from step         {summary['resumed_from_step']}"]
-             if summary.get("resumed_from_step") else []),
-           *[f"  corrupted checkpoint      step {s} skipped ({r[:120]})"
-             for s, r in summary.get("corrupted_checkpoints", [])],
-           f"  parameters                {summary['num_params']:,}"]
-  if "eval_perplexity" in summary:
-    lines.append(f"  validation perplexity     {summary['eval_perplexity']:.3f} "
-                 f"(loss {summary['eval_loss']:.4f} nats/token; unigram baseline "
-                 f"{summary['unigram_perplexity']:.2f})")
-  if "recovered_unit_steps_pct" in summary:
-    # In a static mode the controller only measures: nothing ran on the recovery path.
-    label = ("recovered unit-steps     " if summary["precision_mode"] == "gnmr"
-             else "would-recover unit-steps ")
-    lines.append(f"  {label} {summary['recovered_unit_steps_pct']:.3f}% of "
-                 f"{summary['num_units']} units x {summary['step']} steps "
-                 f"(threshold exceedance {summary['threshold_exceedance_pct']:.3f}%)")
-  lines.append(f"  tokens/s                  {summary['tokens_per_s']:.0f}")
-  if summary.get("side_buffer_dropped"):
-    lines.append(f"  WARNING: {summary['side_buffer_dropped']} recoveries found the side buffer full "
-                 "and ran the low-cost path (precision.side_buffer_units < recovered units)")
-  for name, path in (summary.get("plots") or {}).items():
-    lines.append(f"  plot {name:20s} {path}")
-  return "\n".join(lines)

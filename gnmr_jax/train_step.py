@@ -1,0 +1,147 @@
+"""The train and eval steps, as module-level functions of (state, batch) and a static spec.
+
+``train_step(state, batch, spec=spec)`` runs forward and backward with the recovery mask
+read from the optimizer state, measures the recovery gap on the probe's steps, updates the
+params through the optax chain (controller first) and returns the new state and the step's
+metrics. ``build`` in gnmr_jax/train_loop.py jits it once per run with
+``functools.partial(train_step, spec=spec)`` and donated state; tests and notebooks can
+call it directly, without the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gnmr_jax.control import recovery_gap as gap_lib
+from gnmr_jax.control import state as control_state
+from gnmr_jax.control.units import UnitLayout
+
+
+class TrainState(NamedTuple):
+  step: jax.Array       # int32 []
+  params: Any           # float32 params tree (unboxed 'params' collection)
+  opt_state: Any        # optax state, GNMRState inside
+  rng: jax.Array        # uint32 [2]: raw key data, for any stochastic part of the step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+  """What a step needs besides its state and batch (static: fixed for a run).
+
+  Attributes:
+    model: the routed Flax model, ``model.apply({'params': p}, inputs, recovery_mask=mask)``.
+    tx: the optax chain (the controller first, when there is one).
+    routed: whether the model routes units by the mask (precision.mode 'gnmr').
+    layout: the controller's unit layout (None without a controller); flattens the per-unit
+      metrics.
+    schedule: the learning-rate schedule (logged).
+    injector: a gnmr_jax.faults.FaultInjector (reliability tests) or None.
+    probe: the recovery-gap :class:`GapProbe` or None.
+    recovery_model: the model with every unit on the recovery path (the probe's g_rec).
+    swap_model: the model routed with per-unit residual slots (the 'swapped' pass of a
+      routed step, which may recover any number of units), or None.
+  """
+  model: Any
+  tx: optax.GradientTransformation
+  routed: bool
+  layout: Optional[UnitLayout]
+  schedule: Callable[[jax.Array], jax.Array]
+  injector: Any = None
+  probe: Optional[gap_lib.GapProbe] = None
+  recovery_model: Any = None
+  swap_model: Any = None
+
+
+def cross_entropy(logits_BxSxV, targets_BxS):
+  """Mean next-token cross-entropy in nats (float32), its sum and the token count."""
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, targets_BxS)
+  return jnp.mean(losses), jnp.sum(losses), targets_BxS.size
+
+
+def _model_loss(model, params, batch, mask):
+  logits = model.apply({"params": params}, batch["inputs"], recovery_mask=mask)
+  return cross_entropy(logits, batch["targets"])[0]
+
+
+def gradient_passes(spec: StepSpec, params, batch) -> gap_lib.GradientPasses:
+  """The probe's three gradient passes of the step's model on (params, batch)."""
+  def grads(model, mask):
+    return jax.grad(lambda p: _model_loss(model, p, batch, mask))(params)
+
+  return gap_lib.GradientPasses(
+      low_cost=lambda: grads(spec.model, None),
+      recovered=lambda: grads(spec.recovery_model, None),
+      routed=lambda mask: grads(spec.swap_model or spec.model, mask))
+
+
+def _mask_of(spec: StepSpec, opt_state):
+  ctl = control_state.maybe_controller_state(opt_state)
+  return ctl, (ctl.mask if (spec.routed and ctl is not None) else None)
+
+
+def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
+  """One training step: (state, batch) -> (new state, metrics of this step)."""
+  ctl, mask = _mask_of(spec, state.opt_state)
+  injector = spec.injector
+  step_number = state.step + 1  # 1-based, as logged
+
+  def loss_fn(params):
+    if injector is not None:  # reliability tests only (config.faults)
+      params = injector.corrupt_params(params, step_number,
+                                       spec.layout.flat(mask) if mask is not None else None)
+    logits, sown = spec.model.apply({"params": params}, batch["inputs"], recovery_mask=mask,
+                                    mutable=["intermediates"])
+    loss, _, _ = cross_entropy(logits, batch["targets"])
+    if injector is not None:
+      loss = injector.corrupt_loss(loss, step_number)
+    # Recoveries the side buffer had no room for (0 with the controller's mask).
+    dropped = sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(
+        sown.get("intermediates", {}).get("side_buffer_dropped", ())))
+    return loss, jnp.asarray(dropped, jnp.int32)
+
+  (loss, dropped), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  if injector is not None:
+    grads = injector.corrupt_grads(grads, step_number)
+  extra = {}
+  if spec.probe is not None:  # one extra forward+backward on the measured steps only
+    gap_measured, extra["recovery_gap"] = spec.probe(
+        step_number, gradient_passes(spec, state.params, batch), state.params, mask, grads)
+  updates, opt_state = spec.tx.update(grads, state.opt_state, state.params, **extra)
+  params = optax.apply_updates(state.params, updates)
+  grad_norm = optax.tree.norm(grads)
+  metrics = {"loss": loss, "grad_norm": grad_norm,
+             "learning_rate": spec.schedule(state.step),
+             "nonfinite": ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm)),
+             "side_buffer_dropped": dropped}
+  new_ctl = control_state.maybe_controller_state(opt_state)
+  if new_ctl is not None:
+    select = spec.layout.flat
+    tel = new_ctl.telemetry
+    metrics.update(num_units=tel.num_units, num_risky=tel.num_risky,
+                   num_candidates=tel.num_candidates, num_active=tel.num_active,
+                   num_locked=tel.num_locked, num_nonfinite_units=tel.num_nonfinite,
+                   active_unit_steps=tel.active_unit_steps,
+                   risky_unit_steps=tel.risky_unit_steps,
+                   # Recovery mask used by *this* step, and the per-unit scores it produced.
+                   unit_mask_used=select(ctl.mask), unit_mask_next=select(new_ctl.mask),
+                   unit_score=select(new_ctl.score), unit_gnmr=select(new_ctl.gnmr),
+                   unit_delta_gnmr=select(new_ctl.delta_gnmr), unit_norm=select(new_ctl.norm))
+  if spec.probe is not None:
+    gap = extra["recovery_gap"]
+    metrics.update(gap_measured=gap_measured, unit_gap=spec.layout.flat(gap.gap),
+                   unit_gap_rec_norm=spec.layout.flat(gap.rec_norm))
+  new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
+  return new_state, metrics
+
+
+def eval_step(state: TrainState, batch: dict, *, spec: StepSpec):
+  """(state, batch) -> (sum of token losses, token count), with the mask of the next step."""
+  _, mask = _mask_of(spec, state.opt_state)
+  logits = spec.model.apply({"params": state.params}, batch["inputs"], recovery_mask=mask)
+  _, total, count = cross_entropy(logits, batch["targets"])
+  return total, jnp.float32(count)
