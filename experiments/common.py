@@ -31,7 +31,7 @@ import jax
 import ml_collections
 import optax
 
-from gnmr_jax import baselines, metrics_log
+from gnmr_jax import clipping, metrics_log
 from gnmr_jax.optim import make_optimizer
 from gnmr_jax.precision import blockwise, registry
 
@@ -68,9 +68,9 @@ class Arm:
     gnmr: overrides of config.gnmr.
     optimizer: overrides of config.optimizer.
     controller: 'gnmr' (the controller from config.gnmr) or 'random' (same-budget
-      random recovery, gnmr_jax.baselines.random_recovery).
+      random recovery, gnmr_jax.control.random_recovery).
     clip: 'none', 'global' (optax.clip_by_global_norm(clip_value)), 'zclip' or
-      'adagc' (gnmr_jax.baselines), applied before AdamW.
+      'adagc' (gnmr_jax.clipping), applied before AdamW.
     clip_value: threshold of 'global'.
   """
 
@@ -95,7 +95,7 @@ def arm_config(base: ml_collections.ConfigDict, arm: Arm, seed: int) -> ml_colle
   """The base config with the arm's overrides and the seed (params and data order).
 
   controller='random' selects config.gnmr.priority='random' with t_lock=0 (a fresh draw
-  every step, gnmr_jax.baselines.random_recovery).
+  every step, gnmr_jax.control.random_recovery).
   """
   config = ml_collections.ConfigDict(base.to_dict())
   config.precision.update(arm.precision)
@@ -113,7 +113,7 @@ def make_tx_for(arm: Arm, seed: int) -> Callable:
 
   gnmr_jax.optim.make_optimizer with the arm's clipping: 'none' and 'global' set
   config.optimizer.grad_clip (0 or the arm's clip_value); 'zclip' and 'adagc' put
-  the gnmr_jax.baselines clip in front of AdamW inside the same guard. The
+  the gnmr_jax.clipping clip in front of AdamW inside the same guard. The
   controller is the library's (config.gnmr.priority, seeded by the run's seed).
   """
   del seed  # the controller's seed is config.train.seed, which arm_config sets
@@ -123,7 +123,7 @@ def make_tx_for(arm: Arm, seed: int) -> Callable:
     config.optimizer.grad_clip = arm.clip_value if arm.clip == "global" else 0.0
     if arm.clip in ("none", "global"):
       return make_optimizer(config)
-    clip = baselines.zclip() if arm.clip == "zclip" else baselines.adagc()
+    clip = clipping.zclip() if arm.clip == "zclip" else clipping.adagc()
     return make_optimizer(config, pre_update=[clip])
 
   return make_tx

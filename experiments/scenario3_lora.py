@@ -38,8 +38,9 @@ from experiments import common
 from experiments import scenario1_saved_activation as scenario1
 from gnmr_jax import lora, metrics_log, sharding, train_loop
 from gnmr_jax.data import eval_texts, make_data
-from gnmr_jax.optim import controller_from_config, learning_rate_schedule
-from gnmr_jax.units import path_to_str
+from gnmr_jax.control import from_config as controller_from_config
+from gnmr_jax.optim import learning_rate_schedule
+from gnmr_jax.control.units import path_to_str
 
 SCENARIO = "scenario3"
 RANK, LORA_ALPHA = 8, 16.0

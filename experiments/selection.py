@@ -94,7 +94,9 @@ CONTROLLERS = {
     "hybrid": ({"priority": "hybrid", "alpha": 4.0, "beta": 3.0}, 0),
     # Lagged oracle: the top max_o by e_u(t), used at t + 1, no lock holding it back.
     "oracle": ({"priority": "oracle", "t_lock": 0}, 1),
-    "hindsight": ({"priority": "norm"}, 0),  # mask replaced by the fixed set (make_tx below)
+    # The hindsight static set (every layer's mlp/down: as many units as layers, max_o = 4 for
+    # the 4-layer CPU model), the library's 'fixed' priority.
+    "hindsight": ({"priority": "fixed", "fixed_units": HINDSIGHT}, 0),
 }
 STATIC_ARMS = ("static_low", "static_rec")
 MAX_O_SWEEP = (2, 8)
@@ -146,53 +148,17 @@ def arm_config(regime, arm, seed, steps=0):
   return config
 
 
-def hindsight_tx(config):
-  """The configured chain whose mask is always the hindsight set (every layer's mlp/down: as
-  many units as layers, which is max_o = 4 for the 4-layer CPU model; max_o is not read)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from gnmr_jax import controller as controller_lib, optim, units  # pylint: disable=g-import-not-at-top
-  tx = optim.make_optimizer(config)
-
-  def fixed(state):
-    ctl = controller_lib.controller_state(state)
-    after_warmup = ctl.count > config.gnmr.warmup  # as every controller's mask
-    mask = jax.tree_util.tree_map_with_path(
-        lambda path, m: jnp.full(jnp.shape(m), re.search(HINDSIGHT, units.path_to_str(path))
-                                 is not None, jnp.bool_) & after_warmup, ctl.mask)
-    num_active = sum(jnp.sum(m, dtype=jnp.int32) for m in jax.tree_util.tree_leaves(mask))
-    tel = ctl.telemetry
-    ctl = ctl._replace(mask=mask, telemetry=tel._replace(
-        num_active=num_active,
-        active_unit_steps=tel.active_unit_steps - tel.num_active + num_active))
-    return _replace_controller(state, ctl)
-
-  def update(updates, state, params=None, **extra):
-    updates, state = tx.update(updates, state, params, **extra)
-    return updates, fixed(state)
-
-  return optax.GradientTransformationExtraArgs(lambda p: fixed(tx.init(p)), update)
-
-
-def _replace_controller(state, ctl):
-  import jax  # pylint: disable=g-import-not-at-top
-  from gnmr_jax.controller import GNMRState  # pylint: disable=g-import-not-at-top
-  return jax.tree_util.tree_map(lambda x: ctl if isinstance(x, GNMRState) else x, state,
-                                is_leaf=lambda x: isinstance(x, GNMRState))
-
-
 def run_dir(part, regime, arm, seed):
   return common.run_dir(SCENARIO, part, f"{regime}/{arm}", seed)
 
 
-def train(config, workdir, make_tx=None, data=None):
+def train(config, workdir, data=None):
   from gnmr_jax.train_loop import train_and_evaluate  # pylint: disable=g-import-not-at-top
   if common._complete(workdir, config.train.steps, config):  # pylint: disable=protected-access
     with open(os.path.join(workdir, metrics_log.SUMMARY_FILE), encoding="utf-8") as f:
       return json.load(f)
   shutil.rmtree(workdir, ignore_errors=True)
-  return train_and_evaluate(config, workdir, data=data, make_tx=make_tx)
+  return train_and_evaluate(config, workdir, data=data)
 
 
 # --- part 'quality' --------------------------------------------------------------------------
@@ -204,7 +170,7 @@ def replay(priority, norms, gaps, measured, g, gap_every, rec_norms=None):
   (default: the gaps; only 'relgap' reads them) (the library transform, jitted)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from gnmr_jax import recovery_gap, selection  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.control import priorities as selection, recovery_gap  # pylint: disable=g-import-not-at-top
   num_steps, n = norms.shape
   tx = selection.prioritized(priority, alpha=g.alpha, beta=g.beta, delta=g.delta, max_o=g.max_o,
                              t_lock=g.t_lock, warmup=g.warmup, layer_axis=r"^u$",
@@ -326,9 +292,8 @@ def quality_run(regime, seed, steps, data):
 
 def e2e_run(regime, arm, seed, steps, data):
   config = arm_config(regime, arm, seed, steps)
-  make_tx = hindsight_tx if arm.startswith("hindsight") else None
   t0 = time.time()
-  summary = train(config, run_dir("e2e", regime, arm, seed), make_tx=make_tx, data=data)
+  summary = train(config, run_dir("e2e", regime, arm, seed), data=data)
   routed = config.precision.mode == "gnmr"  # a static arm recovers nothing
   recovered = (f"recovered {summary.get('recovered_unit_steps_pct', 0):.2f}% " if routed else "")
   print(f"[e2e] {regime} {arm} seed{seed}: loss {summary.get('eval_loss', float('nan')):.4f} "

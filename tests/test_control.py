@@ -1,0 +1,153 @@
+"""The controller package: its unit layout codec, the 'fixed' priority, its boundaries and the
+old module paths."""
+import ast
+import os
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gnmr_jax
+from gnmr_jax import control
+from gnmr_jax.config import base_config, validate_config
+from gnmr_jax.control import units as units_lib
+from tests.tolerances import F32_EPS
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PARAMS = {"layers": {"mlp": {"down": {"kernel": jnp.zeros((3, 4, 2))},
+                             "up": {"kernel": jnp.zeros((3, 2, 4))}}},
+          "head": jnp.zeros((4, 5)), "norm": jnp.zeros(4)}
+NAMES = ["head", "layers/mlp/down/kernel[0]", "layers/mlp/down/kernel[1]",
+         "layers/mlp/down/kernel[2]", "layers/mlp/up/kernel[0]", "layers/mlp/up/kernel[1]",
+         "layers/mlp/up/kernel[2]"]
+
+
+def test_unit_layout_flattens_unflattens_names_and_norms_like_numpy():
+  layout = control.layout_of(PARAMS, layer_axis=r"^layers/")
+  assert layout.num_units == 7 and layout.names() == NAMES
+  assert layout.leaf_flags == [True, True, True, False]  # tree order: head, down, up, norm
+  vec = np.arange(7, dtype=np.float32) + 1
+  tree = layout.unflat(jnp.asarray(vec), jnp.float32)
+  assert float(tree["head"]) == 1.0 and tree["norm"].shape == ()
+  np.testing.assert_array_equal(tree["layers"]["mlp"]["down"]["kernel"], [2, 3, 4])
+  np.testing.assert_array_equal(tree["layers"]["mlp"]["up"]["kernel"], [5, 6, 7])
+  np.testing.assert_array_equal(layout.flat(tree), vec)
+  # trailing axes (the GNMR window): [N, delta] round trip
+  window = layout.unflat(jnp.asarray(np.arange(14, dtype=np.float32).reshape(7, 2)),
+                         jnp.float32, (2,))
+  assert window["layers"]["mlp"]["up"]["kernel"].shape == (3, 2)
+  np.testing.assert_array_equal(layout.flat(window, trailing=1), np.arange(14).reshape(7, 2))
+  # per-unit gradient norms against float64 NumPy (one unit: a sum of <= 16 squares)
+  grads = jax.tree_util.tree_map(
+      lambda x: jax.random.normal(jax.random.key(x.size), x.shape), PARAMS)
+  g = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), grads)
+  want = np.concatenate([[np.linalg.norm(g["head"])],
+                         np.linalg.norm(g["layers"]["mlp"]["down"]["kernel"], axis=(1, 2)),
+                         np.linalg.norm(g["layers"]["mlp"]["up"]["kernel"], axis=(1, 2))])
+  np.testing.assert_allclose(jax.jit(layout.norms)(grads), want, rtol=32 * F32_EPS)
+  full = layout.full(True, jnp.bool_)
+  assert layout.flat(full).tolist() == [True] * 7 and full["norm"].dtype == jnp.bool_
+
+
+def _fixed_run(grad_scales, fixed_units, warmup=2, max_o=3):
+  tx = optax.chain(gnmr_jax.prioritized("fixed", max_o=max_o, t_lock=4, warmup=warmup,
+                                        layer_axis=r"^layers/", fixed_units=fixed_units),
+                   optax.adamw(1e-3))
+  state = tx.init(PARAMS)
+  update = jax.jit(tx.update)
+  layout = control.layout_of(PARAMS, layer_axis=r"^layers/")
+  masks = [np.asarray(layout.flat(gnmr_jax.recovery_mask(state)))]
+  for scale in grad_scales:
+    grads = jax.tree_util.tree_map(lambda x, s=scale: jnp.full(x.shape, s, jnp.float32), PARAMS)
+    _, state = update(grads, state, PARAMS)
+    masks.append(np.asarray(layout.flat(gnmr_jax.recovery_mask(state))))
+  return np.asarray(masks), state
+
+
+def test_fixed_priority_recovers_its_set_after_warmup_whatever_the_gradients():
+  # Scales include a spike and a NaN step: a static set does not react to either.
+  masks, state = _fixed_run([1.0, 1.0, 50.0, np.nan, 1.0], r"down/kernel\[[02]\]|^head$")
+  want = np.array([n in ("head", "layers/mlp/down/kernel[0]", "layers/mlp/down/kernel[2]")
+                   for n in NAMES])
+  np.testing.assert_array_equal(masks[:3], False)  # initial mask and warmup steps 1, 2
+  np.testing.assert_array_equal(masks[3:], np.tile(want, (3, 1)))
+  ctl = gnmr_jax.controller_state(state)
+  assert int(ctl.telemetry.active_unit_steps) == 3 * 3 and int(ctl.telemetry.num_locked) == 0
+  value = control.layout_of(PARAMS, layer_axis=r"^layers/").flat(
+      control.state.find_states(state, control.PriorityState)[0].value)
+  np.testing.assert_array_equal(value, want.astype(np.float32))
+
+
+@pytest.mark.parametrize("regex, message", [
+    (r"attn", "matches 0 units"), (r"mlp", "matches 6 units")])
+def test_fixed_priority_refuses_a_set_it_cannot_hold(regex, message):
+  tx = gnmr_jax.prioritized("fixed", max_o=3, t_lock=0, layer_axis=r"^layers/",
+                            fixed_units=regex)
+  with pytest.raises(ValueError, match=message):
+    tx.init(PARAMS)
+  with pytest.raises(ValueError, match="needs `fixed_units`"):
+    gnmr_jax.prioritized("fixed", max_o=3, t_lock=0)
+  with pytest.raises(ValueError, match="read by priority 'fixed' only"):
+    gnmr_jax.prioritized("norm", max_o=3, t_lock=0, fixed_units="head")
+
+
+def test_fixed_priority_from_config_and_its_config_checks():
+  config = base_config("tiny")
+  config.gnmr.priority = "fixed"
+  with pytest.raises(ValueError, match="config.gnmr.fixed_units"):
+    validate_config(config, 1)
+  config.gnmr.fixed_units = "("
+  with pytest.raises(ValueError, match="not a valid regex"):
+    validate_config(config, 1)
+  config.gnmr.fixed_units = r"mlp/down"
+  validate_config(config, 1)
+  tx = control.from_config(config.gnmr)
+  params = {"layers": {"mlp": {"down": {"kernel": jnp.zeros((2, 4, 4))},
+                               "up": {"kernel": jnp.zeros((2, 4, 4))}}}}
+  state = tx.init(params)
+  assert isinstance(state, control.PriorityState)
+  config.gnmr.priority = "norm"
+  with pytest.raises(ValueError, match="read by priority 'fixed' only"):
+    validate_config(config, 1)
+
+
+def _imports_of(path):
+  tree = ast.parse(path.read_text())
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      yield node.module, [a.name for a in node.names]
+    elif isinstance(node, ast.Import):
+      for alias in node.names:
+        yield alias.name, []
+
+
+def test_control_imports_jax_optax_and_itself_only_and_no_protected_access_remains():
+  allowed = re.compile(r"^(__future__|dataclasses|numbers|re|sys|typing|jax(\..*)?|numpy|optax"
+                       r"|gnmr_jax\.control(\..*)?)$")
+  for path in sorted((REPO / "gnmr_jax" / "control").glob("*.py")):
+    for module, names in _imports_of(path):
+      assert allowed.match(module), f"{path.name} imports {module}"
+      if module == "gnmr_jax.control":
+        assert not any(n.startswith("_") for n in names), f"{path.name}: private {names}"
+  disables = [str(p.relative_to(REPO)) for p in (REPO / "gnmr_jax").rglob("*.py")
+              if "protected-access" in p.read_text()]
+  assert not disables
+
+
+def test_old_module_paths_keep_working_or_name_the_replacement():
+  from gnmr_jax import baselines, clipping, controller, optim, recovery_gap, selection, units  # pylint: disable=g-import-not-at-top
+  assert controller.gnmr is gnmr_jax.gnmr is control.gnmr
+  assert selection.prioritized is gnmr_jax.prioritized
+  assert recovery_gap.measure is control.measure
+  assert units.resolve_units is units_lib.resolve_units
+  assert baselines.zclip is clipping.zclip and baselines.random_recovery is control.random_recovery
+  assert optim.controller_from_config is control.from_config
+  with pytest.raises(AttributeError, match="UnitLayout.flat"):
+    controller._flat  # pylint: disable=pointless-statement
+  with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+    selection.nothing  # pylint: disable=pointless-statement
+  assert os.path.basename(recovery_gap.__file__) == "recovery_gap.py"
