@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -165,34 +164,17 @@ def cloze_items(data_config, tokenizer, seq_len, num=NUM_CLOZE, seed=0):
 
 
 def finetune(config, arm, seed, workdir, base_params, data, cloze, batch=64):
-  """One LoRA run; writes the same files as train_and_evaluate and returns its summary."""
-  run = train_loop.build(config, data=data)
+  """One LoRA run through the library's loop (gnmr_jax.lora.LoraTask in train_and_evaluate):
+  the same logs, checkpoints and summary as pretraining, plus the cloze scores."""
   scale = LORA_ALPHA / RANK
   frozen = lora.quantize_base_int8(base_params) if arm.name != "lora_bf16" else base_params
-  controller = controller_from_config(config.gnmr)
   schedule = learning_rate_schedule(config.optimizer, config.train.steps)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0),
                           optax.adamw(schedule, weight_decay=config.optimizer.weight_decay))
-  routed = run.policy.routed
-  step_fn = jax.jit(lora.make_lora_step(run.model, frozen, controller, optimizer, scale, routed))
-  eval_fn = jax.jit(lora.make_eval_fn(run.model, frozen, scale, routed))
-  logprob_fn = jax.jit(lora.make_sequence_logprob_fn(run.model, frozen, scale, routed))
-  adapters = lora.init_adapters(base_params, RANK, jax.random.key(1000 + seed))
-  state = lora.LoraState(jnp.zeros((), jnp.int32), adapters, optimizer.init(adapters),
-                         controller.init(frozen))
-  log = metrics_log.MetricsLogger(workdir, config.train.steps, tensorboard=False,
-                                  progress_bar=False, unit_names=run.unit_names)
-  tokens_per_step = config.data.batch_size * config.data.seq_len
 
-  def evaluate(state):
-    total = count = 0.0
-    for b in run.data.eval_batches():
-      t, c = eval_fn(state, {k: jnp.asarray(v) for k, v in b.items()})
-      total, count = total + float(t), count + float(c)
-    loss = total / count
-    return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
-
-  def cloze_accuracy(state):
+  def cloze_accuracy(run, state):
+    logprob_fn = jax.jit(lora.make_sequence_logprob_fn(run.model, frozen, scale,
+                                                       run.policy.routed))
     tokens, weights, answers = cloze
     scores = []
     for i in range(0, len(tokens), batch):
@@ -205,51 +187,16 @@ def finetune(config, arm, seed, workdir, base_params, data, cloze, batch=64):
     scores = np.concatenate(scores).reshape(-1, CLOZE_CHOICES)
     return float(np.mean(np.argmax(scores, axis=1) == answers))
 
-  it = run.data.train_iterator()
-  with sharding.activation_sharding(run.mesh):
+  def summary_fn(run, state, final):
+    if final:
+      return {"cloze_accuracy": cloze_accuracy(run, state)}
     # Before fine-tuning (B = 0: the frozen base model itself, on Milton).
-    before = {"base_perplexity": evaluate(state)["eval_perplexity"],
-              "base_cloze_accuracy": cloze_accuracy(state)}
-  t_last, timed_steps, timed_seconds = time.perf_counter(), 0, 0.0
-  with sharding.activation_sharding(run.mesh):
-    for step in range(1, config.train.steps + 1):
-      state, metrics, (mask_used, ctl) = step_fn(
-          state, {k: jnp.asarray(v) for k, v in next(it).items()})
-      if step % config.logging.log_every == 0:
-        host = jax.device_get(metrics)
-        now = time.perf_counter()
-        dt = (now - t_last) / config.logging.log_every
-        if step > config.logging.log_every:
-          timed_steps += config.logging.log_every
-          timed_seconds += now - t_last
-        t_last = now
-        row = {k: float(v) if np.asarray(v).dtype.kind == "f" else int(v) for k, v in host.items()}
-        row.update(steps_per_s=1.0 / dt, tokens_per_s=tokens_per_step / dt)
-        log.train(step, row)
-      if config.logging.unit_log_every and step % config.logging.unit_log_every == 0:
-        flags = [bool(np.ndim(l)) for l in jax.tree_util.tree_leaves(ctl.mask)]
-        log.units(step, metrics_log.flat_units(mask_used, flags),
-                  metrics_log.flat_units(ctl.score, flags), metrics_log.flat_units(ctl.gnmr, flags),
-                  metrics_log.flat_units(ctl.delta_gnmr, flags))
-      if step % config.train.eval_every == 0 or step == config.train.steps:
-        log.eval(step, evaluate(state))
-        t_last = time.perf_counter()
-    final = evaluate(state)
-    cloze_acc = cloze_accuracy(state)
-  host = jax.device_get(metrics)
-  num_units = int(host["num_units"])
-  unit_steps = max(num_units * config.train.steps, 1)
-  summary = {"workdir": workdir, "step": config.train.steps, "preempted": False,
-             "precision_mode": config.precision.mode,
-             "low_cost_path": config.precision.low_cost_path,
-             "tokens_per_s": timed_steps * tokens_per_step / max(timed_seconds, 1e-9),
-             "num_units": num_units,
-             "recovered_unit_steps_pct": 100.0 * int(host["active_unit_steps"]) / unit_steps,
-             "threshold_exceedance_pct": 100.0 * int(host["risky_unit_steps"]) / unit_steps,
-             "cloze_accuracy": cloze_acc, **before, **final}
-  log.summary(summary)
-  log.close()
-  return summary
+    return {"base_perplexity": train_loop.evaluate(run, state)["eval_perplexity"],
+            "base_cloze_accuracy": cloze_accuracy(run, state)}
+
+  task = lora.LoraTask(frozen, RANK, scale, optimizer, controller_from_config(config.gnmr),
+                       adapter_seed=1000 + seed, summary_fn=summary_fn)
+  return train_loop.train_and_evaluate(config, workdir, data=data, task=task)
 
 
 def main(argv=None):

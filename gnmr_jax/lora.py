@@ -19,6 +19,7 @@ weights of the paper's LoRA scenario.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, NamedTuple
 
@@ -27,8 +28,8 @@ import jax.numpy as jnp
 import optax
 
 from gnmr_jax.control.state import controller_state
-from gnmr_jax.model import PROJECTION_UNITS_REGEX
 from gnmr_jax.control.units import path_to_str
+from gnmr_jax.model import PROJECTION_UNITS_REGEX
 
 _PROJECTION = re.compile(PROJECTION_UNITS_REGEX)
 
@@ -108,37 +109,46 @@ class LoraState(NamedTuple):
   ctl_state: Any       # optax state holding the GNMRState (kernel-gradient telemetry/mask)
 
 
+def _lora_step(model, base_params, controller, optimizer, scale: float, routed: bool,
+               state: LoraState, batch):
+  """One LoRA step: (new state, core metrics, the GNMRState read, the GNMRState after)."""
+  ctl = controller_state(state.ctl_state)
+  mask = ctl.mask if routed else None
+  merged = merge(base_params, state.adapters, scale)
+
+  def loss_fn(params):
+    logits = model.apply({"params": params}, batch["inputs"], recovery_mask=mask)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+
+  loss, grads = jax.value_and_grad(loss_fn)(merged)
+  _, ctl_state = controller.update(grads, state.ctl_state, merged)
+  g_adapters = adapter_grads(grads, state.adapters, scale)
+  updates, opt_state = optimizer.update(g_adapters, state.opt_state, state.adapters)
+  adapters = optax.apply_updates(state.adapters, updates)
+  new_ctl = controller_state(ctl_state)
+  metrics = {"loss": loss, "grad_norm": optax.tree.norm(g_adapters),
+             "nonfinite": ~jnp.isfinite(loss)}
+  return LoraState(state.step + 1, adapters, opt_state, ctl_state), metrics, ctl, new_ctl
+
+
 def make_lora_step(model, base_params, controller: optax.GradientTransformation,
                    optimizer: optax.GradientTransformation, scale: float, routed: bool):
-  """(state, batch) -> (state, metrics): one LoRA step over frozen ``base_params``.
+  """(state, batch) -> (state, metrics, (mask used, GNMRState after)): one LoRA step over frozen
+  ``base_params`` (:class:`LoraTask` runs the same step in gnmr_jax.train_loop's loop).
 
   The controller sees the merged-kernel gradients of every param (non-projection
   leaves get zero gradients: they are frozen); its mask routes the next step when
   ``routed``.
   """
 
-  def loss_fn(params, batch, mask):
-    logits = model.apply({"params": params}, batch["inputs"], recovery_mask=mask)
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
-
   def step_fn(state: LoraState, batch):
-    ctl = controller_state(state.ctl_state)
-    mask = ctl.mask if routed else None
-    merged = merge(base_params, state.adapters, scale)
-    loss, grads = jax.value_and_grad(loss_fn)(merged, batch, mask)
-    _, ctl_state = controller.update(grads, state.ctl_state, merged)
-    g_adapters = adapter_grads(grads, state.adapters, scale)
-    updates, opt_state = optimizer.update(g_adapters, state.opt_state, state.adapters)
-    adapters = optax.apply_updates(state.adapters, updates)
-    new_ctl = controller_state(ctl_state)
+    state, metrics, ctl, new_ctl = _lora_step(model, base_params, controller, optimizer, scale,
+                                              routed, state, batch)
     tel = new_ctl.telemetry
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(g_adapters),
-               "nonfinite": ~jnp.isfinite(loss), "num_units": tel.num_units,
-               "num_risky": tel.num_risky, "num_active": tel.num_active,
-               "active_unit_steps": tel.active_unit_steps,
-               "risky_unit_steps": tel.risky_unit_steps}
-    return LoraState(state.step + 1, adapters, opt_state, ctl_state), metrics, (
-        ctl.mask, new_ctl)
+    metrics.update(num_units=tel.num_units, num_risky=tel.num_risky, num_active=tel.num_active,
+                   active_unit_steps=tel.active_unit_steps,
+                   risky_unit_steps=tel.risky_unit_steps)
+    return state, metrics, (ctl.mask, new_ctl)
 
   return step_fn
 
@@ -167,3 +177,61 @@ def make_sequence_logprob_fn(model, base_params, scale: float, routed: bool):
     logp = -optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
     return jnp.sum(logp * weights[:, 1:], axis=1)
   return fn
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoraTask:
+  """LoRA fine-tuning as a task of ``gnmr_jax.train_loop.train_and_evaluate(..., task=)``.
+
+  The loop, its logs, checkpoints (the :class:`LoraState`), evaluation and summary are the
+  pretraining ones; the state holds the adapters, their optimizer's state and the controller's
+  (which watches the merged-kernel gradients, the units of pretraining). The model and its
+  precision policy come from the run's config (``build``); the controller of ``config.gnmr``
+  is ``controller``, and ``optimizer`` updates the adapters.
+
+  Attributes:
+    base_params: the frozen base params (e.g. :func:`quantize_base_int8` of a pretrained model).
+    rank: the adapters' rank.
+    scale: lora_alpha / rank.
+    optimizer: the adapters' optax transform.
+    controller: the recovery controller (``gnmr_jax.control.from_config(config.gnmr)``).
+    adapter_seed: seeds the adapters' A init.
+    summary_fn: optional ``(run, state, final) -> dict`` of extra summary fields, called before
+      the first step of a fresh run (final=False) and after the last (final=True).
+  """
+  base_params: Any
+  rank: int
+  scale: float
+  optimizer: optax.GradientTransformation
+  controller: optax.GradientTransformation
+  adapter_seed: int = 0
+  summary_fn: Any = None
+
+  def init_state(self, rng, *, spec) -> LoraState:
+    del rng, spec  # the adapters have their own seed; the base params are given
+    adapters = init_adapters(self.base_params, self.rank, jax.random.key(self.adapter_seed))
+    return LoraState(jnp.zeros((), jnp.int32), adapters, self.optimizer.init(adapters),
+                     self.controller.init(self.base_params))
+
+  def train_step(self, state: LoraState, batch, *, spec):
+    from gnmr_jax import train_step as step_lib  # pylint: disable=g-import-not-at-top
+    state, metrics, ctl, new_ctl = _lora_step(spec.model, self.base_params, self.controller,
+                                              self.optimizer, self.scale, spec.routed, state,
+                                              batch)
+    metrics.update(learning_rate=spec.schedule(state.step - 1),
+                   side_buffer_dropped=jnp.zeros((), jnp.int32),
+                   **step_lib.controller_metrics(spec.layout, ctl, new_ctl))
+    return state, metrics
+
+  def eval_step(self, state: LoraState, batch, *, spec):
+    mask = controller_state(state.ctl_state).mask if spec.routed else None
+    merged = merge(self.base_params, state.adapters, self.scale)
+    logits = spec.model.apply({"params": merged}, batch["inputs"], recovery_mask=mask)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return jnp.sum(losses), jnp.float32(losses.size)
+
+  def trainable(self, state: LoraState):
+    return state.adapters
+
+  def summary_fields(self, run, state, *, final: bool) -> dict:
+    return self.summary_fn(run, state, final) if self.summary_fn is not None else {}

@@ -58,20 +58,25 @@ class Run:
   unit_names: list
   faults: Any = None    # gnmr_jax.faults.FaultInjector when config.faults is on, else None
   spec: Optional[StepSpec] = None  # what train_step / eval_step were jitted with
+  task: Any = None      # the task replacing the language-model objective, or None
 
 
 VOCAB_MULTIPLE = 64
 
 
 def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
-          make_tx=None) -> Run:
+          make_tx=None, task=None) -> Run:
   """Validates the config and builds data, policy, model, optimizer, mesh and jitted steps.
 
   The model's vocabulary is the tokenizer's, padded up to a multiple of 64 so it
   divides over tensor-parallel meshes (the padded ids never occur in the data).
   `devices` restricts the mesh (default: all devices). `make_tx(config)` replaces
   gnmr_jax.optim.make_optimizer (experiments with baseline transforms); the train step
-  reads the recovery mask from whatever GNMRState the chain holds.
+  reads the recovery mask from whatever GNMRState the chain holds. `task` replaces the
+  language-model objective and state (e.g. gnmr_jax.lora.LoraTask): an object with
+  `init_state(rng, *, spec)`, `train_step(state, batch, *, spec)`, `eval_step(state, batch,
+  *, spec)`, `trainable(state)` and `summary_fields(run, state, *, final)`; its state is
+  replicated over the mesh.
   """
   config = ml_collections.ConfigDict(config.to_dict())
   validate_config(config, len(devices) if devices is not None else jax.device_count())
@@ -105,13 +110,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
                       rng=jax.random.key_data(jax.random.fold_in(rng, 1)))
 
   with sharding.activation_sharding(mesh):
-    abstract = jax.eval_shape(init_state, jax.random.key(0))
-    param_sh = sharding.param_shardings(model, mesh, tokens_shape=(1, seq_len))
-  state_sh = TrainState(
-      step=replicated, params=param_sh,
-      opt_state=sharding.opt_state_shardings(abstract.opt_state, abstract.params, param_sh,
-                                             replicated),
-      rng=replicated)
+    abstract = jax.eval_shape(init_state, jax.random.key(0))  # the language-model state
   layout = units_lib.layout_of(abstract.params, config.gnmr.units or None,
                                config.gnmr.layer_axis or None)
   injector = faults_lib.make_injector(config, layout)
@@ -121,18 +120,33 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
                   schedule=learning_rate_schedule(config.optimizer, config.train.steps),
                   injector=injector, probe=probe, recovery_model=recovery_model,
                   swap_model=swap_model)
+  if task is None:  # the language-model objective: sharded params and optimizer state
+    with sharding.activation_sharding(mesh):
+      param_sh = sharding.param_shardings(model, mesh, tokens_shape=(1, seq_len))
+    state_sh = TrainState(
+        step=replicated, params=param_sh,
+        opt_state=sharding.opt_state_shardings(abstract.opt_state, abstract.params, param_sh,
+                                               replicated),
+        rng=replicated)
+    train_fn, eval_fn = step_lib.train_step, step_lib.eval_step
+  else:
+    init_state = functools.partial(task.init_state, spec=spec)
+    with sharding.activation_sharding(mesh):
+      abstract = jax.eval_shape(init_state, jax.random.key(0))
+    state_sh = jax.tree_util.tree_map(lambda _: replicated, abstract)
+    train_fn, eval_fn = task.train_step, task.eval_step
   batch_sh = sharding.batch_sharding(mesh)
-  train_step = jax.jit(functools.partial(step_lib.train_step, spec=spec),
+  train_step = jax.jit(functools.partial(train_fn, spec=spec),
                        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, replicated),
                        donate_argnums=0)
-  eval_step = jax.jit(functools.partial(step_lib.eval_step, spec=spec),
+  eval_step = jax.jit(functools.partial(eval_fn, spec=spec),
                       in_shardings=(state_sh, batch_sh), out_shardings=replicated)
   init_fn = jax.jit(init_state, out_shardings=state_sh)
   return Run(config=config, model_config=model_config, data=data, policy=policy, model=model,
              tx=tx, mesh=mesh, state_shardings=state_sh, batch_sharding=batch_sh,
              init_state=init_fn, train_step=train_step, eval_step=eval_step,
              unit_names=layout.names() if config.gnmr.enabled else [], faults=injector,
-             spec=spec)
+             spec=spec, task=task)
 
 
 def _gap_probe(config, model_config, policy):
@@ -202,7 +216,8 @@ class _Preemption:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=None,
-                       devices=None, stop_at: Optional[int] = None, make_tx=None) -> dict:
+                       devices=None, stop_at: Optional[int] = None, make_tx=None,
+                       task=None) -> dict:
   """Trains (or resumes) in `workdir` and returns the run summary.
 
   Args:
@@ -216,13 +231,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     stop_at: stop after this step with a checkpoint, as a preemption would
       (tests of exact resume); None runs to config.train.steps.
     make_tx: optional `config -> optax transform` replacing the configured chain.
+    task: optional task replacing the language-model objective and state (`build`), e.g.
+      gnmr_jax.lora.LoraTask: LoRA fine-tuning through this same loop.
 
   Returns:
     A dict with final eval loss/perplexity, the unigram baseline, recovered
     unit-steps %, threshold exceedance %, tokens/s and file paths.
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  run = build(config, data=data, devices=devices, make_tx=make_tx)
+  run = build(config, data=data, devices=devices, make_tx=make_tx, task=task)
   config = run.config
   is_main = jax.process_index() == 0
   ckpt = checkpointing.Checkpointer(workdir, config.checkpoint.max_to_keep)
@@ -232,9 +249,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     abstract = jax.eval_shape(run.init_state, jax.random.key(config.train.seed))
     restored = ckpt.restore(checkpointing.abstract_like(abstract, run.state_shardings),
                             fingerprint)
+    task_fields = {}
     if restored is None:
       state = run.init_state(jax.random.key(config.train.seed))
       start = 0
+      if task is not None:  # e.g. the base model's scores before fine-tuning
+        task_fields = task.summary_fields(run, state, final=False)
     else:
       start, state, data_state = restored
       train_iter.set_state(data_state)
@@ -312,12 +332,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
                        "init_perturbation": float(config.train.get("init_perturbation", 0.0))},
              "precision_mode": config.precision.mode,
              "low_cost_path": config.precision.low_cost_path,
-             "num_params": int(sum(x.size for x in jax.tree_util.tree_leaves(state.params))),
+             "num_params": int(sum(x.size for x in jax.tree_util.tree_leaves(
+                 state.params if task is None else task.trainable(state)))),
              "unigram_perplexity": float(run.data.unigram_perplexity),
              "tokens_per_s": stats.tokens_per_s,
              "side_buffer_dropped": stats.dropped_total}
   if last_eval is not None:
     summary.update(last_eval)
+  if task is not None:
+    with sharding.activation_sharding(run.mesh):
+      summary.update(task_fields, **task.summary_fields(run, state, final=True))
   last_host = stats.last
   if last_host is not None and "num_units" in last_host:
     unit_steps = max(int(last_host["num_units"]) * int(step), 1)

@@ -120,23 +120,28 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
              "side_buffer_dropped": dropped}
   new_ctl = control_state.maybe_controller_state(opt_state)
   if new_ctl is not None:
-    select = spec.layout.flat
-    tel = new_ctl.telemetry
-    metrics.update(num_units=tel.num_units, num_risky=tel.num_risky,
-                   num_candidates=tel.num_candidates, num_active=tel.num_active,
-                   num_locked=tel.num_locked, num_nonfinite_units=tel.num_nonfinite,
-                   active_unit_steps=tel.active_unit_steps,
-                   risky_unit_steps=tel.risky_unit_steps,
-                   # Recovery mask used by *this* step, and the per-unit scores it produced.
-                   unit_mask_used=select(ctl.mask), unit_mask_next=select(new_ctl.mask),
-                   unit_score=select(new_ctl.score), unit_gnmr=select(new_ctl.gnmr),
-                   unit_delta_gnmr=select(new_ctl.delta_gnmr), unit_norm=select(new_ctl.norm))
+    metrics.update(controller_metrics(spec.layout, ctl, new_ctl))
   if spec.probe is not None:
     gap = extra["recovery_gap"]
     metrics.update(gap_measured=gap_measured, unit_gap=spec.layout.flat(gap.gap),
                    unit_gap_rec_norm=spec.layout.flat(gap.rec_norm))
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
   return new_state, metrics
+
+
+def controller_metrics(layout: UnitLayout, ctl, new_ctl) -> dict:
+  """The controller's telemetry and per-unit vectors of a step (``ctl``: the state the step
+  read its mask from; ``new_ctl``: the state after the update)."""
+  select = layout.flat
+  tel = new_ctl.telemetry
+  return dict(num_units=tel.num_units, num_risky=tel.num_risky,
+              num_candidates=tel.num_candidates, num_active=tel.num_active,
+              num_locked=tel.num_locked, num_nonfinite_units=tel.num_nonfinite,
+              active_unit_steps=tel.active_unit_steps, risky_unit_steps=tel.risky_unit_steps,
+              # Recovery mask used by *this* step, and the per-unit scores it produced.
+              unit_mask_used=select(ctl.mask), unit_mask_next=select(new_ctl.mask),
+              unit_score=select(new_ctl.score), unit_gnmr=select(new_ctl.gnmr),
+              unit_delta_gnmr=select(new_ctl.delta_gnmr), unit_norm=select(new_ctl.norm))
 
 
 def eval_step(state: TrainState, batch: dict, *, spec: StepSpec):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gnmr_jax import lora
-from gnmr_jax.units import path_to_str
+from gnmr_jax.control.units import path_to_str
 from tests.tolerances import F32_EPS, assert_allclose, matmul_atol
 
 U = F32_EPS / 2  # unit roundoff: one float32 rounding moves x by <= U |x|
@@ -76,3 +76,44 @@ def test_adapter_grads_equal_autodiff_through_merge():
   assert_allclose(merged['layers']['attn']['q']['kernel'], ref,
                   atol=(scale * matmul_atol(ad.a, ad.b) + U * np.abs(product)
                         + U * np.abs(ref)))
+
+
+def test_lora_task_in_the_library_loop_equals_the_hand_written_step_loop(tmp_path, data_dirs):
+  """LoraTask through train_and_evaluate runs exactly the steps of make_lora_step (the loop
+  scenario 3 used to carry): the same losses and adapters, bit for bit, plus the loop's logs."""
+  import json  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import control, metrics_log, train_loop  # pylint: disable=g-import-not-at-top
+  from tests.train_helpers import small_config  # pylint: disable=g-import-not-at-top
+  config = small_config(data_dirs, **{"train.steps": 3, "logging.log_every": 1,
+                                      "train.eval_every": 0, "checkpoint.every_steps": 0,
+                                      "gnmr.priority": "norm", "gnmr.warmup": 1})
+  devices = jax.devices()[:1]
+  base = train_loop.build(config, devices=devices)
+  frozen = lora.quantize_base_int8(base.init_state(jax.random.key(0)).params)
+  scale, optimizer = 2.0, optax.adamw(1e-2)
+  controller = control.from_config(config.gnmr)
+  task = lora.LoraTask(frozen, R, scale, optimizer, controller, adapter_seed=7,
+                       summary_fn=lambda run, state, final: {"final": final})
+  summary = train_loop.train_and_evaluate(config, str(tmp_path), task=task, devices=devices)
+  assert summary["final"] is True and summary["step"] == 3
+  assert summary["num_params"] == sum(a.a.size + a.b.size for a in task.init_state(
+      None, spec=None).adapters.values())
+  # By hand: the same step function, the same batches.
+  step = jax.jit(lora.make_lora_step(base.model, frozen, controller, optimizer, scale,
+                                     base.policy.routed))
+  adapters = lora.init_adapters(frozen, R, jax.random.key(7))
+  state = lora.LoraState(jnp.zeros((), jnp.int32), adapters, optimizer.init(adapters),
+                         controller.init(frozen))
+  it = base.data.train_iterator()
+  losses = []
+  for _ in range(3):
+    state, metrics, _ = step(state, {k: jnp.asarray(v) for k, v in next(it).items()})
+    losses.append(float(metrics["loss"]))
+  logged = [r["loss"] for r in metrics_log.read_jsonl(
+      str(tmp_path / metrics_log.METRICS_FILE))]
+  assert logged == losses
+  units = metrics_log.read_jsonl(str(tmp_path / metrics_log.UNITS_FILE))
+  assert [sum(u["mask"]) for u in units] == [0, 0, config.gnmr.max_o]  # warmup 1, then max_o
+  names = json.load(open(tmp_path / metrics_log.UNIT_NAMES_FILE))
+  assert len(names) == len(units[0]["mask"]) == int(summary["num_units"])
