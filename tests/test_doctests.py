@@ -13,10 +13,13 @@ import sys
 import pytest
 
 MODULES = (
-    "gnmr_jax.controller",
-    "gnmr_jax.selection",
-    "gnmr_jax.recovery_gap",
-    "gnmr_jax.units",
+    "gnmr_jax.control.paper",
+    "gnmr_jax.control.priorities",
+    "gnmr_jax.control.recovery_gap",
+    "gnmr_jax.control.units",
+    "gnmr_jax.control.state",
+    "gnmr_jax.control.config",
+    "gnmr_jax.clipping",
     "gnmr_jax.precision.policy",
     "gnmr_jax.precision.registry",
     "gnmr_jax.precision.path",
@@ -35,13 +38,15 @@ MODULES = (
 # Public API that must carry a runnable example (">>>") in its docstring.
 DOCUMENTED = (
     "gnmr_jax.gnmr", "gnmr_jax.GNMRState", "gnmr_jax.GNMRTelemetry", "gnmr_jax.recovery_mask",
-    "gnmr_jax.controller_state", "gnmr_jax.selection.prioritized", "gnmr_jax.recovery_gap.measure",
+    "gnmr_jax.controller_state", "gnmr_jax.prioritized", "gnmr_jax.control.measure",
+    "gnmr_jax.control.UnitLayout", "gnmr_jax.control.from_config",
     "gnmr_jax.precision.make_policy", "gnmr_jax.precision.PrecisionPolicy.dot",
     "gnmr_jax.precision.PrecisionPolicy.dot_general", "gnmr_jax.precision.register_path",
     "gnmr_jax.precision.available_paths", "gnmr_jax.precision.path_dot",
     "gnmr_jax.precision.path.three_leg_path",
     "gnmr_jax.nnx_routing.route", "gnmr_jax.nnx_routing.routed_einsum",
-    "gnmr_jax.units.path_to_str", "gnmr_jax.units.resolve_units", "gnmr_jax.units.unit_norms",
+    "gnmr_jax.control.units.path_to_str", "gnmr_jax.control.units.resolve_units",
+    "gnmr_jax.control.units.unit_norms",
     "gnmr_jax.model.Transformer", "gnmr_jax.model.projection_recover_bits",
     "gnmr_jax.plots", "gnmr_jax.plots.plot_losses", "gnmr_jax.plots.recovery_matrix",
 )
