@@ -170,6 +170,7 @@ def replay(priority, norms, gaps, measured, g, gap_every, rec_norms=None):
   (default: the gaps; only 'relgap' reads them) (the library transform, jitted)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import control  # pylint: disable=g-import-not-at-top
   from gnmr_jax.control import priorities as selection, recovery_gap  # pylint: disable=g-import-not-at-top
   num_steps, n = norms.shape
   tx = selection.prioritized(priority, alpha=g.alpha, beta=g.beta, delta=g.delta, max_o=g.max_o,
@@ -186,13 +187,13 @@ def replay(priority, norms, gaps, measured, g, gap_every, rec_norms=None):
   state = tx.init(params)
   masks, signals = np.zeros((num_steps, n), bool), np.zeros((num_steps, n))
   for t in range(num_steps):
-    ctl = state if priority == "gnmr" else state.controller
+    ctl = control.controller_state(state)
     masks[t] = np.asarray(ctl.mask["u"])
     valid = measured[t] & (((t + 1) - 1) % gap_every == 0) if gap_every else np.zeros(n, bool)
     state = step(state, jnp.asarray(norms[t]), jnp.asarray(gaps[t]),
                  jnp.asarray(gaps[t] if rec_norms is None else rec_norms[t]),
                  jnp.asarray(np.broadcast_to(valid, (n,))))
-    ctl = state if priority == "gnmr" else state.controller
+    ctl = control.controller_state(state)
     if priority == "gnmr":
       signals[t] = np.asarray(ctl.score["u"])
     elif priority in ("gap", "oracle"):
