@@ -57,8 +57,10 @@ def gnmr_config() -> ml_collections.ConfigDict:
   # 'gnmr' (the paper's rule: alpha, beta, delta above), 'gap' (measured recovery gap; needs
   # diagnostics.recovery_gap_every > 0), 'relgap' (the norm level times the measured relative
   # gap e_u/||g_rec,u||; needs it too), 'oracle' (the last measured gap alone), 'hybrid' (the
-  # paper's transient risk first, the norm level fills the budget), 'random', or 'fixed' (the
-  # units matching fixed_units below, at most max_o, at every step after warmup). 'norm' is the
+  # paper's transient risk first, the norm level fills the budget), 'random', or a static recipe:
+  # 'fixed' (the units matching fixed_units below, at most max_o, at every step after warmup),
+  # 'last_blocks' (every unit of the last `last_blocks` layers, NVIDIA's NVFP4 recipe) or
+  # 'late_switch' (every unit from step `switch_step`; max_o >= the number of units). 'norm' is the
   # default: in the selection experiment (RESULTS.md, "Selection") it beat the paper's rule and
   # random recovery at no extra cost and closed as much of the loss gap as the best fixed set in
   # hindsight where the low-cost error is concentrated; 'gap' (an extra forward+backward per
@@ -70,6 +72,10 @@ def gnmr_config() -> ml_collections.ConfigDict:
   # 'fixed' only: a regex searched in the unit names ('layers/mlp/down/kernel[3]': the leaf path,
   # [l] for layer l of a layer-stacked leaf); the 1 to max_o matching units are the static set.
   c.fixed_units = ""
+  # 'last_blocks' only: how many of the last layers run the recovery path for the whole run.
+  c.last_blocks = 0
+  # 'late_switch' only: the first step at which every unit runs the recovery path.
+  c.switch_step = 0
   return c
 
 
@@ -294,6 +300,16 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   if fixed_units and priority != "fixed":
     raise ValueError(f"config.gnmr.fixed_units={fixed_units!r} is read by priority 'fixed' only; "
                      f"config.gnmr.priority is {priority!r}.")
+  for field, owner in (("last_blocks", "last_blocks"), ("switch_step", "late_switch")):
+    if field in g:
+      _int(g, "gnmr", field, 0)
+    value = g.get(field, 0)
+    if priority == owner and value < 1:
+      raise ValueError(f"config.gnmr.priority={owner!r} needs config.gnmr.{field} >= 1, got "
+                       f"{value!r}.")
+    if value and priority != owner:
+      raise ValueError(f"config.gnmr.{field}={value!r} is read by priority {owner!r} only; "
+                       f"config.gnmr.priority is {priority!r}.")
   if fixed_units:
     try:
       re.compile(fixed_units)

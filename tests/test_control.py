@@ -53,9 +53,10 @@ def test_unit_layout_flattens_unflattens_names_and_norms_like_numpy():
   assert layout.flat(full).tolist() == [True] * 7 and full["norm"].dtype == jnp.bool_
 
 
-def _fixed_run(grad_scales, fixed_units, warmup=2, max_o=3):
-  tx = optax.chain(gnmr_jax.prioritized("fixed", max_o=max_o, t_lock=4, warmup=warmup,
-                                        layer_axis=r"^layers/", fixed_units=fixed_units),
+def _fixed_run(grad_scales, fixed_units=None, warmup=2, max_o=3, priority="fixed", **kwargs):
+  tx = optax.chain(gnmr_jax.prioritized(priority, max_o=max_o, t_lock=4, warmup=warmup,
+                                        layer_axis=r"^layers/", fixed_units=fixed_units,
+                                        **kwargs),
                    optax.adamw(1e-3))
   state = tx.init(PARAMS)
   update = jax.jit(tx.update)
@@ -82,8 +83,30 @@ def test_fixed_priority_recovers_its_set_after_warmup_whatever_the_gradients():
   np.testing.assert_array_equal(value, want.astype(np.float32))
 
 
+def test_static_recipes_last_blocks_and_late_switch():
+  # NVIDIA's recipe: the last layer's units of every stacked leaf, for the whole run.
+  masks, _ = _fixed_run([1.0, 50.0, 1.0], priority="last_blocks", last_blocks=1, warmup=0)
+  want = np.array([n.endswith("[2]") for n in NAMES])  # down[2], up[2]; not head
+  np.testing.assert_array_equal(masks[0], False)
+  np.testing.assert_array_equal(masks[1:], np.tile(want, (3, 1)))
+  # A global late switch: every unit from step 3 on (the mask after step 2 is used at step 3).
+  masks, state = _fixed_run([1.0] * 5, priority="late_switch", switch_step=3, warmup=0,
+                            max_o=7)
+  np.testing.assert_array_equal(masks.all(axis=1), [False, False, True, True, True, True])
+  np.testing.assert_array_equal(masks.any(axis=1), masks.all(axis=1))
+  assert int(gnmr_jax.controller_state(state).telemetry.active_unit_steps) == 4 * 7
+  with pytest.raises(ValueError, match="selects 7 units"):
+    _fixed_run([1.0], priority="late_switch", switch_step=3, max_o=6)
+  with pytest.raises(ValueError, match="selects 6 units"):
+    _fixed_run([1.0], priority="last_blocks", last_blocks=3, max_o=5)
+  with pytest.raises(ValueError, match="`last_blocks` must be an integer >= 1"):
+    gnmr_jax.prioritized("last_blocks", max_o=3, t_lock=0)
+  with pytest.raises(ValueError, match="read by priority 'late_switch' only"):
+    gnmr_jax.prioritized("norm", max_o=3, t_lock=0, switch_step=4)
+
+
 @pytest.mark.parametrize("regex, message", [
-    (r"attn", "matches 0 units"), (r"mlp", "matches 6 units")])
+    (r"attn", "selects 0 units"), (r"mlp", "selects 6 units")])
 def test_fixed_priority_refuses_a_set_it_cannot_hold(regex, message):
   tx = gnmr_jax.prioritized("fixed", max_o=3, t_lock=0, layer_axis=r"^layers/",
                             fixed_units=regex)
@@ -112,6 +135,12 @@ def test_fixed_priority_from_config_and_its_config_checks():
   assert isinstance(state, control.PriorityState)
   config.gnmr.priority = "norm"
   with pytest.raises(ValueError, match="read by priority 'fixed' only"):
+    validate_config(config, 1)
+  config.gnmr.fixed_units, config.gnmr.priority = "", "last_blocks"
+  with pytest.raises(ValueError, match="config.gnmr.last_blocks >= 1"):
+    validate_config(config, 1)
+  config.gnmr.priority, config.gnmr.switch_step = "norm", 10
+  with pytest.raises(ValueError, match="config.gnmr.switch_step=10 is read by priority"):
     validate_config(config, 1)
 
 

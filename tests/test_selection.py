@@ -277,12 +277,14 @@ def test_config_selects_each_priority_and_refuses_a_gap_priority_without_measure
     config.gnmr.priority = priority
     config.diagnostics.recovery_gap_every = 10 if priority in selection.GAP_PRIORITIES else 0
     config.gnmr.fixed_units = "attn/q" if priority == "fixed" else ""  # its set (1 unit)
+    config.gnmr.last_blocks = 1 if priority == "last_blocks" else 0
+    config.gnmr.switch_step = 5 if priority == "late_switch" else 0
     validate_config(config, 1)
     tx = optim.make_optimizer(config)
     state = tx.init({"layers": {"attn": {"q": {"kernel": jnp.zeros((2, 4, 4))}}}})
     gnmr_jax.controller_state(state)  # exactly one GNMRState, found inside
     assert (selection.gap_estimate(state) is None) == (priority == "gnmr")
-  config.gnmr.priority, config.gnmr.fixed_units = "gap", ""
+  config.gnmr.priority, config.gnmr.fixed_units, config.gnmr.switch_step = "gap", "", 0
   config.diagnostics.recovery_gap_every = 0
   with pytest.raises(ValueError, match="recovery_gap_every"):
     validate_config(config, 1)

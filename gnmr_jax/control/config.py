@@ -29,4 +29,5 @@ def from_config(g, seed: int = 0) -> optax.GradientTransformationExtraArgs:
   return prioritized(g.get("priority", "gnmr"), alpha=g.alpha, beta=g.beta, delta=g.delta,
                      max_o=g.max_o, t_lock=g.t_lock, warmup=g.warmup, units=g.units or None,
                      layer_axis=g.layer_axis or None, gap_decay=g.get("gap_decay", 0.0),
-                     seed=seed, fixed_units=g.get("fixed_units", "") or None)
+                     seed=seed, fixed_units=g.get("fixed_units", "") or None,
+                     last_blocks=g.get("last_blocks", 0), switch_step=g.get("switch_step", 0))

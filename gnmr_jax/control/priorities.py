@@ -32,6 +32,10 @@ by one of these priorities:
   'fixed'   a static set: the units whose name matches the ``fixed_units`` regex (at most
             max_o of them) run the recovery path at every step after warmup; no signal,
             no lock. A set chosen in hindsight, or a practitioner's static recipe.
+  'last_blocks'  NVIDIA's NVFP4 recipe: every unit of the last ``last_blocks`` layers (of
+            each layer-stacked leaf) on the recovery path for the whole run after warmup.
+  'late_switch'  a global late switch ("FP4 All the Way"): every unit on the recovery path
+            from step ``switch_step`` on (max_o must cover every unit).
 
 Rules shared by every priority except 'gnmr', for the mask of step t + 1:
 
@@ -66,7 +70,10 @@ from gnmr_jax.control import checks as _checks
 from gnmr_jax.control import paper as gnmr_lib
 from gnmr_jax.control import units as units_lib
 
-PRIORITIES = ("gnmr", "norm", "gap", "relgap", "oracle", "hybrid", "random", "fixed")
+PRIORITIES = ("gnmr", "norm", "gap", "relgap", "oracle", "hybrid", "random", "fixed",
+              "last_blocks", "late_switch")
+# Static recipes: a set fixed in advance (and, for 'late_switch', a step), no signal, no lock.
+STATIC_PRIORITIES = ("fixed", "last_blocks", "late_switch")
 # Priorities that need a measured recovery gap from the train step.
 GAP_PRIORITIES = ("gap", "relgap", "oracle")
 
@@ -78,12 +85,13 @@ class PriorityState(NamedTuple):
                     # 'relgap': of e_u / ||g_rec,u||)
   gap_count: Any    # int32: valid measurements folded into `gap`
   value: Any        # float32: the priority each unit was ranked by at the last step ('random':
-                    # its draw; 'fixed': 1 in the set, else 0)
+                    # its draw; static recipes: 1 in the set, else 0)
 
 
 def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alpha=2.0,
                 beta=1.5, delta: int = 8, units=None, layer_axis=None, gap_decay: float = 0.0,
-                seed: int = 0, fixed_units=None) -> optax.GradientTransformationExtraArgs:
+                seed: int = 0, fixed_units=None, last_blocks: int = 0,
+                switch_step: int = 0) -> optax.GradientTransformationExtraArgs:
   """A budgeted recovery controller ranking units by ``priority`` (module docstring).
 
   Args:
@@ -99,6 +107,9 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     fixed_units: 'fixed' only: a regex searched in the unit names
       (:meth:`UnitLayout.names`: the leaf path, 'path[l]' for layer l of a stacked leaf);
       the matching units (1 to max_o of them) are the set.
+    last_blocks: 'last_blocks' only: how many of the last layers (>= 1); their units (of every
+      layer-stacked leaf, at most max_o) are the set.
+    switch_step: 'late_switch' only: the first step run with every unit recovered (>= 1).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` passing updates through; its
@@ -106,8 +117,8 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     For 'gnmr', :func:`gnmr_jax.gnmr` itself (which ignores ``recovery_gap``).
 
   Raises:
-    ValueError: an unknown priority or an invalid argument, before any tracing; for
-      'fixed', at init, a regex that matches no unit or more than max_o units.
+    ValueError: an unknown priority or an invalid argument, before any tracing; for the
+      static recipes, at init, a set that is empty or larger than max_o.
 
   Example:
     The two units with the largest gradients are recovered at the next step:
@@ -140,26 +151,45 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
   elif fixed_units is not None:
     raise ValueError(f"prioritized: `fixed_units` is read by priority 'fixed' only, not by "
                      f"{priority!r}.")
+  for name, value, owner in (("last_blocks", last_blocks, "last_blocks"),
+                             ("switch_step", switch_step, "late_switch")):
+    _checks.check_int(f"prioritized: `{name}`", value, 1 if priority == owner else 0)
+    if value and priority != owner:
+      raise ValueError(f"prioritized: `{name}` is read by priority {owner!r} only, not by "
+                       f"{priority!r}.")
   # The paper's statistics without its selection (max_o=0 never selects or locks).
   inner = gnmr_lib.gnmr(alpha=alpha, beta=beta, delta=delta, max_o=0, t_lock=0,
                         warmup=warmup, units=units, layer_axis=layer_axis)
   unit_selector = units_lib.compile_selector(units, "units")
   axis_selector = units_lib.compile_selector(layer_axis, "layer_axis")
 
-  def fixed_set(layout):
-    """The 'fixed' set as a bool [N] NumPy vector (names are static)."""
-    names = layout.names()
-    in_set = [fixed_pattern.search(name) is not None for name in names]
+  def static_set(layout):
+    """The static recipe's set as a bool [N] NumPy vector (names and shapes are static)."""
+    if priority == "fixed":
+      in_set = [fixed_pattern.search(name) is not None for name in layout.names()]
+      what = f"`fixed_units` {fixed_units!r}"
+    elif priority == "last_blocks":
+      in_set = []
+      for info in layout:
+        if info.is_unit:
+          num_layers = info.unit_shape[0] if info.unit_shape else 1
+          in_set.extend([info.layer_axis is not None and l >= num_layers - last_blocks
+                         for l in range(num_layers)])
+      what = f"`last_blocks`={last_blocks} (units of layer-stacked leaves, see `layer_axis`)"
+    else:  # late_switch
+      in_set = [True] * layout.num_units
+      what = "'late_switch' (every unit)"
     if not any(in_set) or sum(in_set) > max_o:
       raise ValueError(
-          f"prioritized: `fixed_units` {fixed_units!r} matches {sum(in_set)} units; the fixed "
-          f"set must hold 1 to max_o={max_o}. Unit names are e.g. {names[:6]}.")
+          f"prioritized: {what} selects {sum(in_set)} units; a static set must hold 1 to "
+          f"max_o={max_o} (the recovery budget and side buffer). Unit names are e.g. "
+          f"{layout.names()[:6]}.")
     return jnp.asarray(in_set)
 
   def init_fn(params):
     ctl = inner.init(params)
-    if fixed_pattern is not None and not gnmr_lib.is_params_placeholder(params):
-      fixed_set(units_lib.resolve_units(params, unit_selector, axis_selector))
+    if priority in STATIC_PRIORITIES and not gnmr_lib.is_params_placeholder(params):
+      static_set(units_lib.resolve_units(params, unit_selector, axis_selector))
     return PriorityState(controller=ctl,
                          gap=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm),
                          gap_count=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm_count),
@@ -203,8 +233,8 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
         value = value * jnp.where(gap_count > 0, gap, 1.0)
     elif priority in GAP_PRIORITIES:
       value = gap
-    elif priority == "fixed":
-      value = fixed_set(layout).astype(jnp.float32)
+    elif priority in STATIC_PRIORITIES:
+      value = static_set(layout).astype(jnp.float32)
     else:  # random: the first max_o units of a fresh permutation get the top values
       order = jax.random.permutation(jax.random.fold_in(jax.random.key(seed), step), num_units)
       value = jnp.zeros((num_units,), jnp.float32).at[order].set(
@@ -213,8 +243,10 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
       risky = flat(ctl.risky)
       tier = jnp.where(risky, 2, tier)
       value = jnp.where(risky, flat(ctl.score), value)
-    if priority == "fixed":  # a static set: no ranking, no lock
+    if priority in STATIC_PRIORITIES:  # a static set: no ranking, no lock
       selected = (value > 0) & (step > warmup)
+      if priority == "late_switch":  # the mask made at step t is used at step t + 1
+        selected = selected & (step + 1 >= switch_step)
       new_lock = jnp.zeros((num_units,), jnp.int32)
     else:
       if priority != "random":
