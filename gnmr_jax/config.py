@@ -60,7 +60,9 @@ def gnmr_config() -> ml_collections.ConfigDict:
   # paper's transient risk first, the norm level fills the budget), 'random', or a static recipe:
   # 'fixed' (the units matching fixed_units below, at most max_o, at every step after warmup),
   # 'last_blocks' (every unit of the last `last_blocks` layers, NVIDIA's NVFP4 recipe) or
-  # 'late_switch' (every unit from step `switch_step`; max_o >= the number of units). 'norm' is the
+  # 'late_switch' (every unit from step `switch_step`; max_o >= the number of units), or 'noise'
+  # (the measured quantization-noise fraction against noise_upper / noise_lower below; a cap:
+  # the mask may be empty; needs the gap measured with recovery_gap_pass 'uniform'). 'norm' is the
   # default: in the selection experiment (RESULTS.md, "Selection") it beat the paper's rule and
   # random recovery at no extra cost and closed as much of the loss gap as the best fixed set in
   # hindsight where the low-cost error is concentrated; 'gap' (an extra forward+backward per
@@ -76,6 +78,11 @@ def gnmr_config() -> ml_collections.ConfigDict:
   c.last_blocks = 0
   # 'late_switch' only: the first step at which every unit runs the recovery path.
   c.switch_step = 0
+  # 'noise' only: a unit becomes a candidate when its noise fraction pi_u = EMA(e_u^2) /
+  # EMA(||g_rec,u||^2) exceeds noise_upper (1/3: FP4 All the Way's sqrt(3) rule per tensor) and
+  # stays one while in the mask down to noise_lower (hysteresis); gap_decay weighs the EMAs.
+  c.noise_upper = 1 / 3
+  c.noise_lower = 1 / 6
   return c
 
 
@@ -102,6 +109,10 @@ def diagnostics_config() -> ml_collections.ConfigDict:
   # 'swapped': each unit on the other path than in the step (one extra pass, every unit
   #   measured, a recovered unit in the context of the others recovered).
   c.recovery_gap_pass = "recovery"
+  # Compute the all-recovered gradient of the measuring pass as two half batches (the same
+  # FLOPs; 'recovery' and 'uniform' passes) and also log each unit's signal <g_a, g_b> and
+  # sampling noise ||g_a - g_b||^2 / 4 (recovery_gap.jsonl): the two limits of the noise fraction.
+  c.recovery_gap_split = False
   return c
 
 
@@ -310,6 +321,18 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     if value and priority != owner:
       raise ValueError(f"config.gnmr.{field}={value!r} is read by priority {owner!r} only; "
                        f"config.gnmr.priority is {priority!r}.")
+  if "noise_upper" in g or "noise_lower" in g:
+    _float(g, "gnmr", "noise_upper")
+    lower = g.get("noise_lower", 1 / 6)
+    if isinstance(lower, bool) or not isinstance(lower, numbers.Real) or not (
+        0 <= lower <= g.noise_upper):
+      raise ValueError(f"config.gnmr.noise_lower must be in [0, config.gnmr.noise_upper="
+                       f"{g.noise_upper!r}], got {lower!r}.")
+  if (priority == "noise" and "diagnostics" in config and
+      config.diagnostics.get("recovery_gap_pass", "recovery") == "recovery"):
+    raise ValueError("config.gnmr.priority='noise' needs every unit re-measured: set "
+                     "config.diagnostics.recovery_gap_pass='uniform' (the 'recovery' pass never "
+                     "re-measures the units in the mask, so none could leave it).")
   if fixed_units:
     try:
       re.compile(fixed_units)
@@ -322,6 +345,13 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     if "recovery_gap_start" in config.diagnostics:
       _int(config.diagnostics, "diagnostics", "recovery_gap_start", 0)
     gap_pass = config.diagnostics.get("recovery_gap_pass", "recovery")
+    split = config.diagnostics.get("recovery_gap_split", False)
+    if not isinstance(split, bool):
+      raise ValueError(f"config.diagnostics.recovery_gap_split must be True or False, got "
+                       f"{split!r}.")
+    if split and gap_pass == "swapped":
+      raise ValueError("config.diagnostics.recovery_gap_split splits the all-recovered pass: "
+                       "use recovery_gap_pass 'recovery' or 'uniform', not 'swapped'.")
     if gap_pass not in GAP_PASSES:
       raise ValueError(f"config.diagnostics.recovery_gap_pass must be one of {list(GAP_PASSES)}, "
                        f"got {gap_pass!r}.")

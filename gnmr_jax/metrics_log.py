@@ -98,7 +98,8 @@ class MetricsLogger:
       print(msg, file=sys.stderr)
 
   def units(self, step: int, mask: np.ndarray, score: np.ndarray, gnmr: np.ndarray,
-            delta_gnmr: np.ndarray, norm: Optional[np.ndarray] = None):
+            delta_gnmr: np.ndarray, norm: Optional[np.ndarray] = None,
+            noise_fraction: Optional[np.ndarray] = None):
     if not self.enabled:
       return
     row = {"step": step, "mask": np.asarray(mask, bool).astype(int).tolist(),
@@ -107,11 +108,15 @@ class MetricsLogger:
            "delta_gnmr": np.round(np.nan_to_num(delta_gnmr, posinf=1e30), 5).tolist()}
     if norm is not None:  # per-unit gradient norms (float32 values, 7 significant digits)
       row["norm"] = [float(f"{v:.7g}") for v in np.nan_to_num(norm, posinf=1e30, neginf=-1e30)]
+    if noise_fraction is not None:  # pi_u of the budgeted priorities (0 before a measurement)
+      row["noise_fraction"] = [float(f"{v:.5g}") for v in np.nan_to_num(
+          noise_fraction, nan=0.0, posinf=1e30)]
     self._units.write(json.dumps(row) + "\n")
     self._units.flush()
 
   def recovery_gap(self, step: int, gap: np.ndarray, rec_norm: np.ndarray, mask_used: np.ndarray,
-                   max_o: int):
+                   max_o: int, signal_sq: Optional[np.ndarray] = None,
+                   sampling_sq: Optional[np.ndarray] = None):
     """One measured step of the recovery-gap instrument (gnmr_jax/recovery_gap.py)."""
     if not self.enabled:
       return
@@ -124,6 +129,9 @@ class MetricsLogger:
            "gap_rel": [float(f"{v:.7g}") for v in rel],
            "mask": np.asarray(mask_used, bool).astype(int).tolist(),
            **summarize(gap, mask_used, max_o)}
+    if signal_sq is not None:  # split halves: <g_a, g_b> and ||g_a - g_b||^2 / 4 per unit
+      row["signal_sq"] = [float(f"{v:.7g}") for v in np.nan_to_num(signal_sq, posinf=1e30)]
+      row["sampling_sq"] = [float(f"{v:.7g}") for v in np.nan_to_num(sampling_sq, posinf=1e30)]
     self._gap.write(json.dumps(row) + "\n")
     self._gap.flush()
 
@@ -195,10 +203,12 @@ class StepStats:
     every = self.unit_log_every
     if every and "unit_mask_used" in host and (step % every == 0 or step == self.total):
       self.log.units(step, host["unit_mask_used"], host["unit_score"], host["unit_gnmr"],
-                     host["unit_delta_gnmr"], host["unit_norm"])
+                     host["unit_delta_gnmr"], host["unit_norm"],
+                     host.get("unit_noise_fraction"))
     if "gap_measured" in host and bool(host["gap_measured"]):
       self.log.recovery_gap(step, host["unit_gap"], host["unit_gap_rec_norm"],
-                            host["unit_mask_used"], self.max_o)
+                            host["unit_mask_used"], self.max_o, host.get("unit_gap_signal_sq"),
+                            host.get("unit_gap_sampling_sq"))
     self.log.advance(step)
     self.last = host
     return host

@@ -164,7 +164,8 @@ def _gap_probe(config, model_config, policy):
   probe = gap_lib.GapProbe(
       every=every, start=diagnostics.get("recovery_gap_start", 0) or config.gnmr.warmup + 1,
       measuring_pass=measuring_pass, units=config.gnmr.units or None,
-      layer_axis=config.gnmr.layer_axis or None)
+      layer_axis=config.gnmr.layer_axis or None,
+      split_halves=diagnostics.get("recovery_gap_split", False))
   # The same params with every projection on the recovery path (no conds).
   recovery_model = Transformer(model_config, recovery_policy(config.precision))
   swap_model = None

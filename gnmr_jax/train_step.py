@@ -19,6 +19,7 @@ import optax
 
 from gnmr_jax.control import recovery_gap as gap_lib
 from gnmr_jax.control import state as control_state
+from gnmr_jax.control.priorities import PriorityState, noise_fraction
 from gnmr_jax.control.units import UnitLayout
 
 
@@ -73,10 +74,16 @@ def gradient_passes(spec: StepSpec, params, batch) -> gap_lib.GradientPasses:
   def grads(model, mask):
     return jax.grad(lambda p: _model_loss(model, p, batch, mask))(params)
 
+  def recovered_halves():
+    halves = gap_lib.split_batch(batch)
+    return tuple(jax.grad(lambda p, half=half: _model_loss(spec.recovery_model, p, half, None))(
+        params) for half in halves)
+
   return gap_lib.GradientPasses(
       low_cost=lambda: grads(spec.model, None),
       recovered=lambda: grads(spec.recovery_model, None),
-      routed=lambda mask: grads(spec.swap_model or spec.model, mask))
+      routed=lambda mask: grads(spec.swap_model or spec.model, mask),
+      recovered_halves=recovered_halves)
 
 
 def _mask_of(spec: StepSpec, opt_state):
@@ -121,10 +128,18 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
   new_ctl = control_state.maybe_controller_state(opt_state)
   if new_ctl is not None:
     metrics.update(controller_metrics(spec.layout, ctl, new_ctl))
+    priority_states = control_state.find_states(opt_state, PriorityState)
+    if len(priority_states) == 1:  # the noise fraction of the measurements so far
+      found = priority_states[0]
+      metrics["unit_noise_fraction"] = noise_fraction(spec.layout.flat(found.noise_sq),
+                                                      spec.layout.flat(found.rec_sq))
   if spec.probe is not None:
     gap = extra["recovery_gap"]
     metrics.update(gap_measured=gap_measured, unit_gap=spec.layout.flat(gap.gap),
                    unit_gap_rec_norm=spec.layout.flat(gap.rec_norm))
+    if gap.signal_sq is not None:
+      metrics.update(unit_gap_signal_sq=spec.layout.flat(gap.signal_sq),
+                     unit_gap_sampling_sq=spec.layout.flat(gap.sampling_sq))
   new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
   return new_state, metrics
 

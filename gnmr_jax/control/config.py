@@ -30,4 +30,6 @@ def from_config(g, seed: int = 0) -> optax.GradientTransformationExtraArgs:
                      max_o=g.max_o, t_lock=g.t_lock, warmup=g.warmup, units=g.units or None,
                      layer_axis=g.layer_axis or None, gap_decay=g.get("gap_decay", 0.0),
                      seed=seed, fixed_units=g.get("fixed_units", "") or None,
-                     last_blocks=g.get("last_blocks", 0), switch_step=g.get("switch_step", 0))
+                     last_blocks=g.get("last_blocks", 0), switch_step=g.get("switch_step", 0),
+                     noise_upper=g.get("noise_upper", 1 / 3),
+                     noise_lower=g.get("noise_lower", 1 / 6))

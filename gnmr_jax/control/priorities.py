@@ -29,6 +29,13 @@ by one of these priorities:
   'hybrid'  GNMR's transient risk wins the budget first (units over alpha_t or
             beta_t, ranked by the paper's score r), the norm level fills it.
   'random'  max_o units drawn uniformly at random (the same-budget baseline).
+  'noise'   the quantization-noise fraction pi_u = EMA(e_u^2) / EMA(||g_rec,u||^2) of the
+            measurements (``gap_decay`` weighs the old EMA; constant between them), and
+            a budget that is a cap: a unit is a candidate when pi_u > ``noise_upper`` (1/3:
+            FP4 All the Way's sqrt(3) rule per tensor), stays one while in the mask and
+            pi_u >= ``noise_lower`` (hysteresis) or locked, and the paper's alarm (risky
+            by alpha_t/beta_t, or non-finite) makes a unit a candidate whatever its pi_u.
+            Candidates only, at most max_o: the mask may be empty.
   'fixed'   a static set: the units whose name matches the ``fixed_units`` regex (at most
             max_o of them) run the recovery path at every step after warmup; no signal,
             no lock. A set chosen in hindsight, or a practitioner's static recipe.
@@ -71,11 +78,11 @@ from gnmr_jax.control import paper as gnmr_lib
 from gnmr_jax.control import units as units_lib
 
 PRIORITIES = ("gnmr", "norm", "gap", "relgap", "oracle", "hybrid", "random", "fixed",
-              "last_blocks", "late_switch")
+              "last_blocks", "late_switch", "noise")
 # Static recipes: a set fixed in advance (and, for 'late_switch', a step), no signal, no lock.
 STATIC_PRIORITIES = ("fixed", "last_blocks", "late_switch")
 # Priorities that need a measured recovery gap from the train step.
-GAP_PRIORITIES = ("gap", "relgap", "oracle")
+GAP_PRIORITIES = ("gap", "relgap", "oracle", "noise")
 
 
 class PriorityState(NamedTuple):
@@ -86,12 +93,15 @@ class PriorityState(NamedTuple):
   gap_count: Any    # int32: valid measurements folded into `gap`
   value: Any        # float32: the priority each unit was ranked by at the last step ('random':
                     # its draw; static recipes: 1 in the set, else 0)
+  noise_sq: Any     # float32: EMA of e_u^2 over the measurements (every gap priority)
+  rec_sq: Any       # float32: EMA of ||g_rec,u||^2; noise_sq / rec_sq is the noise fraction
 
 
 def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alpha=2.0,
                 beta=1.5, delta: int = 8, units=None, layer_axis=None, gap_decay: float = 0.0,
                 seed: int = 0, fixed_units=None, last_blocks: int = 0,
-                switch_step: int = 0) -> optax.GradientTransformationExtraArgs:
+                switch_step: int = 0, noise_upper: float = 1 / 3,
+                noise_lower: float = 1 / 6) -> optax.GradientTransformationExtraArgs:
   """A budgeted recovery controller ranking units by ``priority`` (module docstring).
 
   Args:
@@ -110,6 +120,9 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     last_blocks: 'last_blocks' only: how many of the last layers (>= 1); their units (of every
       layer-stacked leaf, at most max_o) are the set.
     switch_step: 'late_switch' only: the first step run with every unit recovered (>= 1).
+    noise_upper, noise_lower: 'noise' only: a unit becomes a candidate above
+      ``noise_upper`` and stays one (while in the mask) down to ``noise_lower``
+      (0 <= noise_lower <= noise_upper, finite).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` passing updates through; its
@@ -157,6 +170,11 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     if value and priority != owner:
       raise ValueError(f"prioritized: `{name}` is read by priority {owner!r} only, not by "
                        f"{priority!r}.")
+  _checks.check_positive("prioritized: `noise_upper`", noise_upper)
+  if (isinstance(noise_lower, bool) or not isinstance(noise_lower, (int, float))
+      or not 0 <= noise_lower <= noise_upper):
+    raise ValueError(f"prioritized: `noise_lower` must be a float in [0, noise_upper="
+                     f"{noise_upper!r}], got {noise_lower!r}.")
   # The paper's statistics without its selection (max_o=0 never selects or locks).
   inner = gnmr_lib.gnmr(alpha=alpha, beta=beta, delta=delta, max_o=0, t_lock=0,
                         warmup=warmup, units=units, layer_axis=layer_axis)
@@ -193,7 +211,9 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     return PriorityState(controller=ctl,
                          gap=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm),
                          gap_count=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm_count),
-                         value=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm))
+                         value=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm),
+                         noise_sq=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm),
+                         rec_sq=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm))
 
   def update_fn(updates, state, params=None, recovery_gap=None, **extra_args):
     # The inner controller never selects; it gets no lock, so its candidate count stays the
@@ -212,6 +232,7 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     prev_mask = flat(state.controller.mask)
     lock = flat(lock_tree)
     gap, gap_count = flat(state.gap), flat(state.gap_count)
+    noise_sq, rec_sq = flat(state.noise_sq), flat(state.rec_sq)
 
     if recovery_gap is not None:
       _check_gap_layout(recovery_gap, state.gap)
@@ -221,8 +242,16 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
         measured = jnp.where(measured == 0, 0.0, measured / jnp.where(measured == 0, 1.0,
                                                                        rec_norm))
       valid = flat(recovery_gap.valid) & jnp.isfinite(measured)
-      blended = jnp.where(gap_count > 0, gap_decay * gap + (1 - gap_decay) * measured, measured)
-      gap = jnp.where(valid, blended, gap)
+
+      def blend(old, new, ok):  # the first measurement is taken as is
+        mixed = jnp.where(gap_count > 0, gap_decay * old + (1 - gap_decay) * new, new)
+        return jnp.where(ok, mixed, old)
+
+      gap_sq = jnp.square(flat(recovery_gap.gap).astype(jnp.float32))
+      rec_norm_sq = jnp.square(flat(recovery_gap.rec_norm).astype(jnp.float32))
+      valid_sq = valid & jnp.isfinite(gap_sq) & jnp.isfinite(rec_norm_sq)
+      noise_sq, rec_sq = blend(noise_sq, gap_sq, valid_sq), blend(rec_sq, rec_norm_sq, valid_sq)
+      gap = blend(gap, measured, valid)
       gap_count = gap_count + valid.astype(jnp.int32)
 
     finite = jnp.isfinite(norm)
@@ -231,6 +260,8 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
       value = jnp.where(finite, norm, 0.0)
       if priority == "relgap":  # scaled by the relative gap once u has been measured
         value = value * jnp.where(gap_count > 0, gap, 1.0)
+    elif priority == "noise":
+      value = noise_fraction(noise_sq, rec_sq)
     elif priority in GAP_PRIORITIES:
       value = gap
     elif priority in STATIC_PRIORITIES:
@@ -249,12 +280,19 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
         selected = selected & (step + 1 >= switch_step)
       new_lock = jnp.zeros((num_units,), jnp.int32)
     else:
+      candidate = jnp.ones((num_units,), jnp.bool_)  # every unit, but for 'noise'
+      if priority == "noise":  # the paper's alarm first (by its score); a cap, not a quota
+        risky = flat(ctl.risky)
+        candidate = (risky | (lock > 0) | (value > noise_upper)
+                     | (prev_mask & (value >= noise_lower)))
+        tier = jnp.where(risky, 2, tier)
+        value = jnp.where(risky, flat(ctl.score), value)
       if priority != "random":
         tier = jnp.where(finite, tier, 3)
       # lexsort: the last key is the primary one; it is stable, so ties keep tree order.
-      order = jnp.lexsort((-value, -tier))
+      order = jnp.lexsort((-value, -tier, ~candidate))
       rank = jnp.zeros_like(order).at[order].set(jnp.arange(num_units, dtype=order.dtype))
-      selected = (rank < max_o) & (step > warmup)
+      selected = candidate & (rank < max_o) & (step > warmup)
       new_lock = jnp.where(selected & ~prev_mask, t_lock,
                            jnp.where(lock > 0, lock - 1, 0)).astype(jnp.int32)
 
@@ -269,9 +307,18 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     return updates, PriorityState(controller=ctl,
                                   gap=layout.unflat(gap, jnp.float32),
                                   gap_count=layout.unflat(gap_count, jnp.int32),
-                                  value=layout.unflat(value, jnp.float32))
+                                  value=layout.unflat(value, jnp.float32),
+                                  noise_sq=layout.unflat(noise_sq, jnp.float32),
+                                  rec_sq=layout.unflat(rec_sq, jnp.float32))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def noise_fraction(noise_sq, rec_sq):
+  """pi = noise_sq / rec_sq elementwise, with 0/0 = 0 and x/0 = +inf (float32)."""
+  noise_sq, rec_sq = jnp.asarray(noise_sq, jnp.float32), jnp.asarray(rec_sq, jnp.float32)
+  return jnp.where(noise_sq == 0, 0.0, jnp.where(
+      rec_sq > 0, noise_sq / jnp.where(rec_sq > 0, rec_sq, 1.0), jnp.inf)).astype(jnp.float32)
 
 
 def _layout_description(tree) -> dict:

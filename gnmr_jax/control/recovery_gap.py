@@ -36,6 +36,17 @@ What it measures depends on the regime:
     the mask's units are never re-measured, so a 'gap' controller keeps the set its first
     measurement picked (RESULTS.md, "Selection").
 
+Split halves (``split_halves=True``, 'recovery' and 'uniform' passes): the recovery
+gradient is computed as two half-batch gradients g_a, g_b (the same FLOPs), g_rec = (g_a +
+g_b) / 2, which also gives per unit
+
+  signal_sq   = <g_a,u, g_b,u>            (an unbiased estimate of ||G_u||^2, the squared
+                                           expected gradient)
+  sampling_sq = ||g_a,u - g_b,u||^2 / 4    (S_u, the sampling noise of the batch mean)
+
+so with Q_u = e_u^2 both limits of the noise fraction are logged on the same run: the signal
+form ||G_u||^2 / Q_u (Chmiel) and the sampling-noise form Q_u / S_u (GACT).
+
 Cost: one extra forward + backward per measured step ('recovery', 'swapped'; 'uniform' when
 the step's mask is empty, as in static mode), two for 'uniform' with a mask, so about 1/K
 (2/K) of a step's cost when measured every K steps.
@@ -73,6 +84,8 @@ class RecoveryGap(NamedTuple):
   gap: Any        # float32: e_u = ||g_used,u - g_swap,u|| (or g_rec with swapped=False)
   rec_norm: Any   # float32: ||g_rec,u||, u's gradient on the recovery path
   valid: Any      # bool: measured on this step (and, with swapped=False, u ran low-cost)
+  signal_sq: Any = None    # float32 <g_a,u, g_b,u> of the split halves (None: not split)
+  sampling_sq: Any = None  # float32 ||g_a,u - g_b,u||^2 / 4 (None: not split)
 
 
 _layout = units_lib.layout_of
@@ -133,11 +146,43 @@ def swapped_mask(mask_used, params, *, units=None, layer_axis=None, everything=N
                                 everything, mask_used)
 
 
-def not_measured(params, *, units=None, layer_axis=None) -> RecoveryGap:
+def not_measured(params, *, units=None, layer_axis=None,
+                 split_halves: bool = False) -> RecoveryGap:
   """A RecoveryGap of zeros with nothing valid: what a step that does not measure passes."""
   layout = _layout(params, units, layer_axis)
-  return RecoveryGap(gap=layout.full(0, jnp.float32), rec_norm=layout.full(0, jnp.float32),
-                     valid=layout.full(False, jnp.bool_))
+  zeros = layout.full(0, jnp.float32)
+  return RecoveryGap(gap=zeros, rec_norm=zeros, valid=layout.full(False, jnp.bool_),
+                     signal_sq=zeros if split_halves else None,
+                     sampling_sq=zeros if split_halves else None)
+
+
+def split_batch(batch):
+  """(first half, second half) of every leaf of ``batch`` along its leading (batch) axis."""
+  sizes = {jnp.shape(x)[0] for x in jax.tree_util.tree_leaves(batch)}
+  if len(sizes) != 1 or next(iter(sizes)) % 2:
+    raise ValueError(f"recovery gap: split_halves needs one even batch size along the leading "
+                     f"axis of every batch leaf, got sizes {sorted(sizes)}.")
+  half = next(iter(sizes)) // 2
+  return (jax.tree_util.tree_map(lambda x: x[:half], batch),
+          jax.tree_util.tree_map(lambda x: x[half:], batch))
+
+
+def half_statistics(grads_a, grads_b, *, units=None, layer_axis=None):
+  """(g_rec = (g_a + g_b) / 2, signal_sq, sampling_sq) of two half-batch gradients."""
+  grads_a, grads_b = units_lib.unbox(grads_a), units_lib.unbox(grads_b)
+  layout = _layout(grads_a, units, layer_axis)
+  leaves_a, treedef = jax.tree_util.tree_flatten(grads_a)
+  leaves_b = treedef.flatten_up_to(grads_b)
+  grads = treedef.unflatten([(a + b) / 2 for a, b in zip(leaves_a, leaves_b)])
+  dots, diffs = [], []
+  for a, b, info in zip(leaves_a, leaves_b, layout):
+    if not info.is_unit:
+      continue
+    a32, b32 = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    axes = tuple(i for i in range(a32.ndim) if i != info.layer_axis)
+    dots.append(jnp.sum(a32 * b32, axis=axes))
+    diffs.append(jnp.sum(jnp.square(a32 - b32), axis=axes) / 4)
+  return (grads, layout.per_unit(dots, jnp.float32), layout.per_unit(diffs, jnp.float32))
 
 
 def all_recovered_mask(params, *, units=None, layer_axis=None):
@@ -155,10 +200,13 @@ class GradientPasses(NamedTuple):
     low_cost: ``() -> grads`` with every unit on the low-cost path.
     recovered: ``() -> grads`` with every unit on the recovery path.
     routed: ``mask -> grads`` with the mask's units recovered, the others low-cost.
+    recovered_halves: ``() -> (grads_a, grads_b)``, ``recovered`` on each half of the batch
+      (``split_halves`` only).
   """
   low_cost: Callable[[], Any]
   recovered: Callable[[], Any]
   routed: Callable[[Any], Any]
+  recovered_halves: Optional[Callable[[], Any]] = None
 
 
 def check_measuring_pass(measuring_pass: str, swapped: bool = False) -> str:
@@ -174,8 +222,8 @@ def check_measuring_pass(measuring_pass: str, swapped: bool = False) -> str:
 
 
 def measure_passes(passes: GradientPasses, params, mask_used=None, grads_used=None, *,
-                   measuring_pass: str = "recovery", units=None,
-                   layer_axis=None) -> RecoveryGap:
+                   measuring_pass: str = "recovery", units=None, layer_axis=None,
+                   split_halves: bool = False) -> RecoveryGap:
   """The recovery gap from a model's gradient passes (the one implementation of a measurement).
 
   Args:
@@ -185,28 +233,48 @@ def measure_passes(passes: GradientPasses, params, mask_used=None, grads_used=No
     grads_used: the step's gradients if already computed (else computed here).
     measuring_pass: one of :data:`MEASURING_PASSES` (module docstring).
     units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
+    split_halves: compute the recovery gradient as two half-batch gradients and return the
+      signal and sampling-noise estimates too (module docstring); not with 'swapped'.
 
   Returns:
     A :class:`RecoveryGap`.
   """
+  if split_halves and measuring_pass == "swapped":
+    raise ValueError("recovery gap: split_halves splits the all-recovered pass, which the "
+                     "'swapped' pass does not run; use the 'recovery' or 'uniform' pass.")
+  halves = None
+
+  def recovered():
+    nonlocal halves
+    if not split_halves:
+      return passes.recovered()
+    grads_rec, signal_sq, sampling_sq = half_statistics(*passes.recovered_halves(),
+                                                        units=units, layer_axis=layer_axis)
+    halves = (signal_sq, sampling_sq)
+    return grads_rec
+
   if measuring_pass == "uniform":  # every unit low-cost against every unit recovered
     grads_low = (grads_used if grads_used is not None and mask_used is None
                  else passes.low_cost())
-    return unit_gaps(grads_low, passes.recovered(), None, units=units, layer_axis=layer_axis)
-  if grads_used is None:
-    grads_used = passes.low_cost() if mask_used is None else passes.routed(mask_used)
-  swapped = measuring_pass == "swapped"
-  if swapped and mask_used is not None:
-    other = passes.routed(swapped_mask(mask_used, params, units=units, layer_axis=layer_axis))
-  else:  # 'recovery', or the swapped pass of a step without a mask: every unit recovered
-    other = passes.recovered()
-  return unit_gaps(grads_used, other, mask_used, swapped=swapped, units=units,
-                   layer_axis=layer_axis)
+    gap = unit_gaps(grads_low, recovered(), None, units=units, layer_axis=layer_axis)
+  else:
+    if grads_used is None:
+      grads_used = passes.low_cost() if mask_used is None else passes.routed(mask_used)
+    swapped = measuring_pass == "swapped"
+    if swapped and mask_used is not None:
+      other = passes.routed(swapped_mask(mask_used, params, units=units, layer_axis=layer_axis))
+    else:  # 'recovery', or the swapped pass of a step without a mask: every unit recovered
+      other = recovered()
+    gap = unit_gaps(grads_used, other, mask_used, swapped=swapped, units=units,
+                    layer_axis=layer_axis)
+  if halves is not None:
+    gap = gap._replace(signal_sq=halves[0], sampling_sq=halves[1])
+  return gap
 
 
 def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *,
             swapped: bool = False, measuring_pass: Optional[str] = None, units=None,
-            layer_axis=None) -> RecoveryGap:
+            layer_axis=None, split_halves: bool = False) -> RecoveryGap:
   """The recovery gap of a user's model on one batch.
 
   Args:
@@ -227,6 +295,8 @@ def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *
       every unit valid; ``grads_used`` is only reused when ``mask_used`` is None).
     units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`; pass the
       controller's (a layer-stacked model needs its ``layer_axis`` here too).
+    split_halves: also estimate the signal and sampling-noise energies from two half
+      batches (``batch``'s leaves split along their leading axis; module docstring).
 
   Returns:
     A :class:`RecoveryGap`.
@@ -247,15 +317,15 @@ def measure(loss_fn: Callable, params, batch, mask_used=None, grads_used=None, *
   """
   measuring_pass = check_measuring_pass(measuring_pass, swapped)
 
-  def grads_at(mask):
-    return jax.grad(loss_fn)(params, batch, mask)
+  def grads_at(mask, data=batch):
+    return jax.grad(loss_fn)(params, data, mask)
 
+  everything = all_recovered_mask(params, units=units, layer_axis=layer_axis)
   passes = GradientPasses(
-      low_cost=lambda: grads_at(None),
-      recovered=lambda: grads_at(all_recovered_mask(params, units=units, layer_axis=layer_axis)),
-      routed=grads_at)
+      low_cost=lambda: grads_at(None), recovered=lambda: grads_at(everything), routed=grads_at,
+      recovered_halves=lambda: tuple(grads_at(everything, half) for half in split_batch(batch)))
   return measure_passes(passes, params, mask_used, grads_used, measuring_pass=measuring_pass,
-                        units=units, layer_axis=layer_axis)
+                        units=units, layer_axis=layer_axis, split_halves=split_halves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,17 +341,21 @@ class GapProbe:
     start: the first measured step (>= 1).
     measuring_pass: one of :data:`MEASURING_PASSES`.
     units, layer_axis: the controller's unit selectors.
+    split_halves: measure the recovery gradient as two half batches (module docstring).
   """
   every: int
   start: int = 1
   measuring_pass: str = "recovery"
   units: Any = None
   layer_axis: Any = None
+  split_halves: bool = False
 
   def __post_init__(self):
     _checks.check_int("GapProbe: `every`", self.every, 1)
     _checks.check_int("GapProbe: `start`", self.start, 1)
     check_measuring_pass(self.measuring_pass)
+    if self.split_halves and self.measuring_pass == "swapped":
+      raise ValueError("GapProbe: split_halves needs the 'recovery' or 'uniform' pass.")
 
   def due(self, step_number):
     """Whether 1-based ``step_number`` (traced) is a measured step."""
@@ -294,10 +368,11 @@ class GapProbe:
     def run(_):
       return measure_passes(passes, params, mask_used, grads_used,
                             measuring_pass=self.measuring_pass, units=self.units,
-                            layer_axis=self.layer_axis)
+                            layer_axis=self.layer_axis, split_halves=self.split_halves)
 
     def skip(_):
-      return not_measured(params, units=self.units, layer_axis=self.layer_axis)
+      return not_measured(params, units=self.units, layer_axis=self.layer_axis,
+                          split_halves=self.split_halves)
 
     return due, jax.lax.cond(due, run, skip, None)
 
