@@ -13,7 +13,7 @@ Example:
   >>> for step, loss in ((1, 3.0), (2, 2.5)):
   ...   log.train(step, {'loss': loss})
   ...   log.units(step, mask=[step == 2, False], score=[1.5 * step, 0.4],
-  ...             gnmr=[2.0, 0.5], delta_gnmr=[1.0, 1.0])
+  ...             gnmr=[2.0, 0.5], delta_gnmr=[1.0, 1.0], noise_fraction=[0.5, 0.01])
   >>> log.recovery_gap(2, gap=[0.3, 0.1], rec_norm=[1.0, 2.0], mask_used=[True, False], max_o=1)
   >>> log.close()
   >>> names, steps, mask = recovery_matrix(workdir, 'mask')
@@ -22,7 +22,7 @@ Example:
   >>> recovery_matrix(workdir, 'gap_rel', metrics_log.GAP_FILE)[2].tolist()
   [[0.3], [0.05]]
   >>> sorted(plot_run(workdir))
-  ['gap_heatmap', 'gap_summary', 'loss', 'recovery_heatmap', 'score_heatmap']
+  ['gap_heatmap', 'gap_summary', 'loss', 'noise_heatmap', 'recovery_heatmap', 'score_heatmap']
   >>> os.path.getsize(os.path.join(workdir, 'plots', 'recovery_heatmap.png')) > 1000
   True
 """
@@ -90,8 +90,9 @@ def recovery_matrix(workdir: str, field: str = "mask", source: str = metrics_log
   Args:
     workdir: a run directory.
     field: 'mask' (1.0 = on the recovery path that step), 'score' (risk score r),
-      'gnmr', 'delta_gnmr' or 'norm'; with ``source=metrics_log.GAP_FILE``: 'gap'
-      (recovery gap e_u) or 'gap_rel' (e_u / ||g_rec,u||).
+      'gnmr', 'delta_gnmr', 'norm' or 'noise_fraction' (pi_u); with
+      ``source=metrics_log.GAP_FILE``: 'gap' (recovery gap e_u), 'gap_rel' (e_u / ||g_rec,u||),
+      'signal_sq' or 'sampling_sq' (split halves).
     source: the JSONL file of the run directory to read.
 
   Returns:
@@ -163,7 +164,9 @@ def plot_run(workdir: str) -> dict:
 
   The heatmaps are drawn only when units.jsonl exists (the controller is enabled
   and ``logging.unit_log_every > 0``); gap_heatmap.png and gap_summary.png only when
-  the recovery gap was measured (``diagnostics.recovery_gap_every > 0``). See the module docstring for an example.
+  the recovery gap was measured (``diagnostics.recovery_gap_every > 0``), and then
+  noise_heatmap.png, the noise fraction pi_u over training, when units.jsonl logs it (a
+  budgeted priority). See the module docstring for an example.
   """
   out = os.path.join(workdir, "plots")
   os.makedirs(out, exist_ok=True)
@@ -178,4 +181,8 @@ def plot_run(workdir: str) -> dict:
     paths["gap_heatmap"] = plot_recovery_heatmap(
         workdir, os.path.join(out, "gap_heatmap.png"), "gap", metrics_log.GAP_FILE)
     paths["gap_summary"] = plot_gap_summary(workdir, os.path.join(out, "gap_summary.png"))
+    units = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.UNITS_FILE))
+    if units and "noise_fraction" in units[-1]:  # pi_u of a budgeted priority's measurements
+      paths["noise_heatmap"] = plot_recovery_heatmap(
+          workdir, os.path.join(out, "noise_heatmap.png"), "noise_fraction")
   return paths
