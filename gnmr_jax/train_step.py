@@ -70,20 +70,16 @@ def _model_loss(model, params, batch, mask):
 
 
 def gradient_passes(spec: StepSpec, params, batch) -> gap_lib.GradientPasses:
-  """The probe's three gradient passes of the step's model on (params, batch)."""
-  def grads(model, mask):
-    return jax.grad(lambda p: _model_loss(model, p, batch, mask))(params)
-
-  def recovered_halves():
-    halves = gap_lib.split_batch(batch)
-    return tuple(jax.grad(lambda p, half=half: _model_loss(spec.recovery_model, p, half, None))(
-        params) for half in halves)
+  """The probe's gradient passes of the step's model on (params, batch)."""
+  def grads(model, mask, data=batch):
+    return jax.grad(lambda p: _model_loss(model, p, data, mask))(params)
 
   return gap_lib.GradientPasses(
       low_cost=lambda: grads(spec.model, None),
       recovered=lambda: grads(spec.recovery_model, None),
       routed=lambda mask: grads(spec.swap_model or spec.model, mask),
-      recovered_halves=recovered_halves)
+      recovered_halves=lambda: tuple(grads(spec.recovery_model, None, half)
+                                     for half in gap_lib.split_batch(batch)))
 
 
 def _mask_of(spec: StepSpec, opt_state):
