@@ -15,6 +15,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from gnmr_jax import precision
 from gnmr_jax.precision import bf16, microscaling as ms, mxfp8, nvfp4, testing
@@ -536,3 +537,58 @@ def test_docstring_examples_run(module):
   import doctest  # pylint: disable=g-import-not-at-top
   result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
   assert result.attempted > 0 and result.failed == 0, result
+
+
+# --- explicit-axis meshes ----------------------------------------------------------------
+
+MESHES = {  # mesh shape, axis names, x spec, kernel spec
+    'data8': ((8,), ('data',), P('data', None), P(None, None)),
+    'data2_model4_rows': ((2, 4), ('data', 'model'), P('data', 'model'), P('model', None)),
+    'data2_model4_cols': ((2, 4), ('data', 'model'), P('data', None), P(None, 'model')),
+}
+
+
+def _quantized_operands(path, bit, x, w, g):
+  """The operands each matmul multiplies (forward, dlhs, drhs), as float64 NumPy."""
+  if bit:  # the bf16 recovery path
+    q = lambda a, axis, salt=None: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+  elif path == 'nvfp4':
+    q = lambda a, axis, salt=None: np.asarray(ms.nvfp4_dequantized(a, axis, salt), np.float64)
+  else:
+    q = lambda a, axis, salt=None: np.asarray(ms.mxfp8_dequantized(a, axis), np.float64)
+  return ((q(x, 1), q(w, 0)), (q(g, 1, 1), q(w.T, 0)), (q(x.T, 1), q(g, 0, 2)))
+
+
+@pytest.mark.parametrize('layout', sorted(MESHES))
+@pytest.mark.parametrize('path', ['nvfp4', 'mxfp8'])
+def test_paths_under_explicit_meshes_match_one_device(path, layout):
+  """Sharded operands, routed per unit: y, dx (x's sharding) and dW (W's sharding) equal
+  the one-device results up to the order of the float32 sums. Block and tensor maxima
+  and the noise seeds take no order, so the quantized operands are the same; two orders
+  of an n-term sum differ by <= 2 gamma_n (|a| @ |b|) ~ 2 n eps (|a| @ |b|)."""
+  shape, names, x_spec, w_spec = MESHES[layout]
+  mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit,) * len(shape))
+  rng = np.random.default_rng(4)
+  x, w, g = (rng.standard_normal(s).astype(F32) for s in ((64, 48), (48, 40), (64, 40)))
+  policy = _policy('gnmr', path, recovery_storage='per_unit')
+
+  @jax.jit
+  def run(x, w, g, bit):
+    y, vjp = jax.vjp(lambda a, b: policy.dot(a, b, bit), x, w)
+    return (y,) + vjp(g)
+
+  eps = float(np.finfo(F32).eps)
+  for bit in (False, True):
+    want = run(x, w, g, jnp.array(bit))
+    with jax.set_mesh(mesh):
+      x_s = jax.device_put(x, NamedSharding(mesh, x_spec))
+      w_s = jax.device_put(w, NamedSharding(mesh, w_spec))
+      got = run(x_s, w_s, jax.device_put(g, NamedSharding(mesh, P(x_spec[0], w_spec[1]))),
+                jax.device_put(jnp.array(bit), NamedSharding(mesh, P())))
+    assert got[1].sharding.is_equivalent_to(x_s.sharding, 2), (layout, bit)
+    assert got[2].sharding.is_equivalent_to(w_s.sharding, 2), (layout, bit)
+    for name, a, b, (qa, qb) in zip(('y', 'dx', 'dW'), got, want,
+                                    _quantized_operands(path, bit, x, w, g)):
+      bound = 2 * qa.shape[1] * eps * (np.abs(qa) @ np.abs(qb))
+      diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
+      assert np.all(diff <= bound), (layout, bit, name, float(np.max(diff - bound)))

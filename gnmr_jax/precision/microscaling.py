@@ -132,11 +132,11 @@ def _keeping_sharding(quantize, static_argnums=(1,)):
     sharding = explicit_sharding.out_sharding(x)
     if sharding is None:
       return quantize(x, axis, *args)
-    fn = lambda a, *rest: quantize(a, axis, *rest)
+    fn = lambda a: quantize(a, axis, *args)  # the arguments after x are static
     replicated = NamedSharding(sharding.mesh, PartitionSpec())
-    out = jax.tree.map(lambda s: sharding if s.ndim else replicated,
-                       jax.eval_shape(fn, x, *args))
-    return jax.sharding.auto_axes(fn, out_sharding=out)(x, *args)
+    shapes = jax.eval_shape(fn, jax.ShapeDtypeStruct(x.shape, x.dtype))  # unsharded
+    out = jax.tree.map(lambda s: sharding if s.ndim else replicated, shapes)
+    return jax.sharding.auto_axes(fn, out_sharding=out)(x)
   return jax.jit(wrapped, static_argnums=static_argnums)
 
 
