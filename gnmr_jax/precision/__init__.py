@@ -2,7 +2,8 @@
 
 ``make_policy(config)`` builds a ``PrecisionPolicy`` whose ``dot`` runs each unit
 on the low-cost path, or (mode='gnmr') on ``lax.cond(recover, recovery, low_cost)``.
-Paths: 'bf16' (recovery/reference), 'int8', 'fp8', 'saved_activation', 'blockwise';
+Paths: 'bf16' (recovery/reference), 'int8', 'fp8', 'saved_activation', 'blockwise',
+'mxfp8', 'nvfp4' (block-scaled microscaling, emulated: microscaling.py);
 add one with ``register_path(name, builder)``. Routed units whose recovery path
 keeps more than the low-cost path store it in a shared side buffer
 (``policy.init_side``/``dot_side``, ``side_buffer.attach``; side_buffer.py).
@@ -13,6 +14,8 @@ from gnmr_jax.precision import bf16 as bf16
 from gnmr_jax.precision import blockwise as blockwise
 from gnmr_jax.precision import fp8 as fp8
 from gnmr_jax.precision import int8 as int8
+from gnmr_jax.precision import mxfp8 as mxfp8
+from gnmr_jax.precision import nvfp4 as nvfp4
 from gnmr_jax.precision import saved_activation as saved_activation
 from gnmr_jax.precision import side_buffer as side_buffer
 from gnmr_jax.precision.backend import default_low_cost_path as default_low_cost_path

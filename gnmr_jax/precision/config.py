@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from gnmr_jax.precision import registry, saved_activation
+from gnmr_jax.precision import microscaling, registry, saved_activation
 
 MODES = ('static', 'gnmr')
 RECOVERY_STORAGE = ('side_buffer', 'per_unit')
@@ -23,7 +23,8 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # lax.cond(recover, recovery_path, low_cost_path) on its recovery-mask bit.
   config.mode = 'gnmr'
   # Registered path for units that are not recovered: 'bf16', 'int8', 'fp8',
-  # 'saved_activation', 'blockwise', or any name given to register_path.
+  # 'saved_activation', 'blockwise', 'mxfp8', 'nvfp4', or any name given to
+  # register_path.
   config.low_cost_path = 'int8'
   # Registered path for recovered units (mode='gnmr' only). With
   # low_cost_path='saved_activation', use 'saved_activation' here to store the
@@ -43,6 +44,13 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # activation (the error then reaches the loss and the input gradient of the
   # earlier layers, and compounds across layers; a harsher stress).
   config.saved_activation_forward = False
+  # NVFP4 path (low_cost_path='nvfp4'): True quantizes the forward matmul only
+  # and runs both backward matmuls in bf16 (the recovery precision).
+  config.nvfp4_forward_only = False
+  # NVFP4 path: rounding of the incoming gradient in the backward matmuls,
+  # 'stochastic' (unbiased; the noise is keyed by the gradient's bits) or
+  # 'nearest'. Unused when nvfp4_forward_only.
+  config.nvfp4_gradient_rounding = 'stochastic'
   # Bits of the integer grid of the blockwise (DeepSeek-V3-style) path (2..8).
   config.block_bits = 8
   # Tile length (activations, 1 x block_size) and block side (weights,
@@ -85,6 +93,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _check_choice(config, 'stochastic_rounding', (False, True))
   _check_choice(config, 'saved_activation_scale', saved_activation.SCALES)
   _check_choice(config, 'saved_activation_forward', (False, True))
+  _check_choice(config, 'nvfp4_forward_only', (False, True))
+  _check_choice(config, 'nvfp4_gradient_rounding', microscaling.ROUNDINGS)
   _check_choice(config, 'block_bits', tuple(range(2, 9)))
   if not isinstance(config.block_size, int) or config.block_size < 1:
     raise ValueError(f"precision config field 'block_size' must be a positive int, "

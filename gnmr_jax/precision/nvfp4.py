@@ -1,0 +1,111 @@
+r"""The NVFP4 path: E2M1 values in 1 x 16 blocks with E4M3 block scales (microscaling.py).
+
+All three matmuls quantize both operands along their own contracting axis,
+re-quantizing the saved full-precision ``x`` and ``W`` for the backward (as
+NVIDIA's NVFP4 recipe does): the forward rounds to nearest; the backward rounds
+the incoming gradient ``g`` stochastically (each leg with its own noise, keyed
+by ``g``'s block scales) and ``W^T`` / ``x^T`` to nearest. Options (precision config):
+``nvfp4_forward_only`` runs both backward matmuls in bf16, the recovery
+precision; ``nvfp4_gradient_rounding='nearest'`` rounds ``g`` to nearest too.
+Emulated on every backend: the block-scaled values go into a bf16 x bf16 ->
+float32 ``dot_general`` and the two per-tensor scales multiply its result.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gnmr_jax.precision import explicit_sharding, microscaling, quantize, registry
+from gnmr_jax.precision import path as path_lib
+
+# Leg constants mixed into the gradient's noise seed: the two backward legs draw
+# independent noise for the same g.
+_DLHS_SALT, _DRHS_SALT = 1, 2
+
+
+def nvfp4_matmul(lhs, rhs, out_dtype, out_sharding=None, *, lhs_salt=None, rhs_salt=None):
+  r""":math:`Q(a)\,Q(b)` for [M, C] x [C, N], both quantized in 1 x 16 blocks along C.
+
+  Args:
+    lhs: [M, C]; ``lhs_salt``: None (round to nearest) or an int (stochastic,
+      noise keyed by the operand's block scales and the salt).
+    rhs: [C, N]; ``rhs_salt`` likewise.
+    out_dtype: the result's dtype.
+    out_sharding: the result's sharding under an explicit-axis mesh, else None.
+
+  Returns:
+    [M, N] of ``out_dtype``: the float32 sum of bf16 block-scaled products times
+    both tensor scales.
+  """
+  lhs_values, lhs_scale = microscaling.nvfp4_quantize(lhs, 1, lhs_salt)
+  rhs_values, rhs_scale = microscaling.nvfp4_quantize(rhs, 0, rhs_salt)
+  acc = lax.dot_general(lhs_values, rhs_values, quantize.MATMUL_DIMS,
+                        preferred_element_type=jnp.float32,
+                        **explicit_sharding.dot_kwargs(out_sharding))
+  return (acc * (lhs_scale * rhs_scale)).astype(out_dtype)
+
+
+def _forward(x, kernel, out_dtype):
+  return nvfp4_matmul(x, kernel, out_dtype)
+
+
+def _gradient_salt(salt, gradient_rounding):
+  return salt if gradient_rounding == 'stochastic' else None
+
+
+def _dlhs(g, kernel_t, out_dtype, out_sharding=None, *, gradient_rounding):
+  return nvfp4_matmul(g, kernel_t, out_dtype, out_sharding,
+                      lhs_salt=_gradient_salt(_DLHS_SALT, gradient_rounding))
+
+
+def _drhs(x_t, g, out_dtype, out_sharding=None, *, gradient_rounding):
+  return nvfp4_matmul(x_t, g, out_dtype, out_sharding,
+                      rhs_salt=_gradient_salt(_DRHS_SALT, gradient_rounding))
+
+
+@functools.lru_cache(maxsize=None)
+def nvfp4_path(forward_only: bool = False, gradient_rounding: str = 'stochastic'
+               ) -> path_lib.Path:
+  r"""The NVFP4 ``Path``: :math:`y = Q_{RN}(x)\,Q_{RN}(W)`,
+  :math:`\partial x = Q_{SR}(g)\,Q_{RN}(W^T)`, :math:`\partial W = Q_{RN}(x^T)\,Q_{SR}(g)`.
+
+  Args:
+    forward_only: True runs :math:`\partial x` and :math:`\partial W` on bf16
+      operands (float32 accumulation) instead.
+    gradient_rounding: 'stochastic' or 'nearest', for ``g`` in the backward.
+
+  Returns:
+    A ``Path`` (residuals: x and the kernel, unquantized). One object per argument
+    pair.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from gnmr_jax.precision import path_dot
+    >>> dot = path_dot(nvfp4_path())
+    >>> x, w = jnp.ones((4, 16)), jnp.full((16, 3), 0.5)
+    >>> dot(x, w).tolist()[0], jax.grad(lambda w: dot(x, w).sum())(w)[0].tolist()
+    ([8.0, 8.0, 8.0], [4.0, 4.0, 4.0])
+  """
+  if forward_only not in (False, True):
+    raise ValueError(f'nvfp4_path: forward_only must be a bool, got {forward_only!r}.')
+  if gradient_rounding not in microscaling.ROUNDINGS:
+    raise ValueError(f'nvfp4_path: gradient_rounding must be one of '
+                     f'{microscaling.ROUNDINGS}, got {gradient_rounding!r}.')
+  if forward_only:
+    return path_lib.three_leg_path(_forward, quantize.bf16_matmul, quantize.bf16_matmul)
+  return path_lib.three_leg_path(
+      _forward, functools.partial(_dlhs, gradient_rounding=gradient_rounding),
+      functools.partial(_drhs, gradient_rounding=gradient_rounding))
+
+
+def build(config, role):
+  """Registry builder: ``nvfp4_forward_only`` and ``nvfp4_gradient_rounding``, both roles."""
+  del role
+  return nvfp4_path(bool(config.nvfp4_forward_only), config.nvfp4_gradient_rounding)
+
+
+registry.register_path('nvfp4', build)
