@@ -23,6 +23,7 @@ backward reads them with ``explicit_sharding.out_sharding(x)`` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Callable
 
@@ -75,7 +76,17 @@ def path_dot(path: Path):
     return path.backward(residuals, x, kernel, g)
 
   dot.defvjp(dot_fwd, dot_bwd)
-  return dot
+  # A partial, not a function: modules set its __doc__ (bf16_dot), as on a custom_vjp.
+  return functools.partial(_row_parallel_dot, dot)
+
+
+def _row_parallel_dot(dot, x, kernel):
+  """dot(x, kernel) with x's K shards gathered when x and a row-parallel kernel both shard K.
+
+  That contraction is ill-typed under explicit axes; the gather (as in policy.dot, a no-op
+  otherwise) sits outside the custom_vjp, so its transpose gives dx x's own sharding.
+  """
+  return dot(explicit_sharding.unshard_contraction(x, kernel), kernel)
 
 
 def _call_leg(leg, lhs, rhs, out_dtype, out_sharding):
