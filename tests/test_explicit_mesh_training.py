@@ -4,15 +4,25 @@ Each parallelism (data, fsdp, tensor, a mix) gets a mesh of the user's own, buil
 `jax.make_mesh(shape, sharding.MESH_AXES)` (explicit axes), and must give, for 3 routed
 int8/bf16 steps, the losses, gradients and controller masks of the single-device run.
 """
+import collections
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 from jax.sharding import AxisType
 
+import gnmr_jax
 from gnmr_jax import optim, sharding, train_loop
+from gnmr_jax.config import base_config
 from gnmr_jax.data import make_data
+from gnmr_jax.model import PROJECTIONS, Transformer
+from gnmr_jax.model_configs import model_config
+from gnmr_jax.precision import make_policy
 from tests.tolerances import BF16_EPS, F32_EPS, chain_ulps, f32_atol, transformer_reductions
 from tests.train_helpers import small_config
 
@@ -153,3 +163,157 @@ def test_mesh_axis_types_config():
     with pytest.raises(ValueError, match='mesh.axis_types'):
       sharding.make_mesh(ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1,
                                                         axis_types=bad)))
+
+
+# The issue's scenario, verbatim: a user's `jax.make_mesh` (explicit axes), params from
+# `sharding.init_params`, tokens placed by `sharding.batch_sharding`, and a jitted
+# `value_and_grad` of the routed int8/bf16 Transformer with the recovery mask of a chained
+# `gnmr_jax.gnmr`, under `sharding.activation_sharding`.
+SCENARIO_SHAPES = [(1, 8, 1), (2, 2, 2), (8, 1, 1)]
+SCENARIO_BATCH, SCENARIO_SEQ = 8, 32
+
+
+def scenario_model():
+  cfg = model_config('tiny')
+  # vocab 192, d_model 64, ffn 128: every weight shape tells which weight it is in the HLO.
+  cfg.update(dict(vocab_size=192, d_model=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                  ffn_dim=128, max_seq_len=SCENARIO_SEQ))
+  precision = base_config('tiny').precision
+  precision.update(dict(mode='gnmr', low_cost_path='int8', recovery_path='bf16'))
+  return cfg, Transformer(cfg, make_policy(precision, max_recovered=2))
+
+
+def scenario_loss(model, params, inputs, targets, mask):
+  logits = model.apply({'params': params}, inputs, recovery_mask=mask)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def scenario_masks(params):
+  """The controller's mask (all low-cost before its warmup ends) and one that recovers the
+  even layers' units (both lax.cond branches run)."""
+  tx = optax.chain(gnmr_jax.gnmr(alpha=2.0, beta=1.5, delta=3, max_o=2, t_lock=2,
+                                 units=r'layers/.*kernel', layer_axis=r'^layers/'),
+                   optax.adamw(1e-3))
+  mask = gnmr_jax.recovery_mask(jax.jit(tx.init)(params))
+  half = jax.tree.map(lambda m: m | (jnp.arange(m.shape[0]) % 2 == 0) if m.ndim else m, mask)
+  return {'controller': mask, 'even_layers': half}
+
+
+def collectives(hlo: str) -> list[tuple[str, list[tuple[int, ...]], int, str]]:
+  """(op, result shapes, group size, op_name) of every collective in a compiled module."""
+  found = []
+  for line in hlo.splitlines():
+    m = re.search(r'= (\([^=]*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|'
+                  r'collective-permute)(?:-start)?\(', line)
+    if not m:
+      continue
+    shapes = [tuple(int(d) for d in dims.split(',') if d)
+              for dims in re.findall(r'[a-z0-9]+\[([0-9,]*)\]', m.group(1))]
+    groups = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+    size = 1
+    if groups:
+      sizes = dict(re.findall(r"'(\w+)'=(\d+)", groups.group(1)))
+      for axis in re.findall(r"'(\w+)'", groups.group(2)):
+        size *= int(sizes[axis])
+    name = re.search(r'op_name="([^"]*)"', line)
+    found.append((m.group(2), shapes, size, name.group(1) if name else ''))
+  return found
+
+
+@pytest.fixture(scope='module')
+def scenario_reference():
+  """Params (host copies), batch, masks, and loss and gradients of one device, no mesh."""
+  cfg, model = scenario_model()
+  mesh = jax.make_mesh((1, 8, 1), sharding.MESH_AXES)
+  with jax.set_mesh(mesh):
+    params = jax.tree.map(np.asarray, sharding.init_params(model, jax.random.key(0), mesh))
+  tokens = np.random.default_rng(0).integers(
+      0, cfg.vocab_size, (SCENARIO_BATCH, SCENARIO_SEQ + 1)).astype(np.int32)
+  masks = jax.tree.map(np.asarray, scenario_masks(params))
+  step = jax.jit(jax.value_and_grad(functools.partial(scenario_loss, model)))
+  want = {k: jax.tree.map(np.asarray, step(params, tokens[:, :-1], tokens[:, 1:], m))
+          for k, m in masks.items()}
+  max_logit = float(np.max(np.abs(jax.jit(model.apply)({'params': params}, tokens[:, :-1]))))
+  return cfg, model, params, tokens, masks, want, max_logit
+
+
+@pytest.mark.parametrize('shape', SCENARIO_SHAPES, ids=lambda s: 'x'.join(map(str, s)))
+def test_issue_scenario_value_and_grad_on_a_user_mesh(shape, scenario_reference):
+  cfg, model, host_params, tokens, host_masks, want, max_logit = scenario_reference
+  mesh = jax.make_mesh(shape, sharding.MESH_AXES)
+  assert set(mesh.axis_types) == {AxisType.Explicit}
+  with jax.set_mesh(mesh):
+    params = sharding.init_params(model, jax.random.key(0), mesh)
+    masks = scenario_masks(params)
+    batch = sharding.batch_sharding(mesh)
+    inputs = jax.device_put(tokens[:, :-1], batch)
+    targets = jax.device_put(tokens[:, 1:], batch)
+    with sharding.activation_sharding(mesh):
+      step = jax.jit(jax.value_and_grad(functools.partial(scenario_loss, model)))
+      got = {k: step(params, inputs, targets, m) for k, m in masks.items()}
+      compiled = step.lower(params, inputs, targets, masks['controller']).compile()
+  # The same init in its sharded layout, and the controller's mask, exactly.
+  for p, w in zip(jax.tree.leaves(params), jax.tree.leaves(host_params)):
+    np.testing.assert_array_equal(np.asarray(p), w)
+  for k in masks:
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, masks[k]),
+                 host_masks[k])
+  # Tolerances as in test_explicit_mesh_routed_steps_match_single_device (step 1): the
+  # forward's float32 rounding for the loss, sqrt(R) flipped operand roundings for the
+  # gradients (int8 codes: 1/127 of a row's scale, the larger of the two paths).
+  tokens_count = SCENARIO_BATCH * SCENARIO_SEQ
+  rounding = 2 * chain_ulps(transformer_reductions(cfg, SCENARIO_SEQ)) * F32_EPS * max_logit
+  bound_eps = np.sqrt(quantized_roundings(cfg)) / 127
+  for k, (loss, grads) in got.items():
+    want_loss, want_grads = want[k]
+    assert abs(float(loss) - float(want_loss)) <= rounding + f32_atol(
+        want_loss, chain_ulps([cfg.vocab_size, tokens_count])), (shape, k)
+    for (path, g), w, p in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                               jax.tree.leaves(want_grads), jax.tree.leaves(params)):
+      assert g.sharding.is_equivalent_to(p.sharding, g.ndim), jax.tree_util.keystr(path)
+      g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+      assert np.linalg.norm(g - w) <= bound_eps * np.linalg.norm(w), (
+          shape, k, jax.tree_util.keystr(path))
+  if shape != (1, 8, 1):
+    return
+  # FSDP over 8 devices: each device holds 1/8 of every weight; only the norms' scales are
+  # whole (replicated by the rules).
+  leaves = jax.tree.leaves(params)
+  total = sum(p.nbytes for p in leaves)
+  per_device = sum(p.addressable_shards[0].data.nbytes for p in leaves)
+  replicated = sum(p.nbytes for p in leaves if p.sharding.is_fully_replicated)
+  print(f'scenario fsdp=8 per-device parameter bytes: {per_device} of {total} '
+        f'(1/8: {total / 8:.0f}; replicated norms: {replicated})')
+  assert per_device <= total / 8 + replicated and replicated < total / 100
+  # The compiled step's collectives over the 8 fsdp devices: each weight is all-gathered to
+  # its whole (per-layer) shape where it is used (`sharding.gather_weight`), and nothing else
+  # is; each weight's gradient is summed over the 8 devices and comes back sharded like the
+  # weight (asserted above): a reduce-scatter. XLA:CPU writes a reduce-scatter as an
+  # all-reduce and a dynamic-slice of the device's shard (its pipeline has no reduce-scatter
+  # creator pass; GPU and TPU fuse the two), so either form counts.
+  ops = collectives(compiled.as_text())
+  d, f, v = cfg.d_model, cfg.ffn_dim, cfg.vocab_size
+  kernel_shapes = {'q': (d, d), 'k': (d, d), 'v': (d, d), 'o': (d, d), 'gate': (d, f),
+                   'up': (d, f), 'down': (f, d)}
+  gathers = [(shapes[0], name) for op, shapes, size, name in ops if op == 'all-gather']
+  print(f'scenario fsdp=8 collectives: {collections.Counter(op for op, *_ in ops)}')
+  assert all(name.endswith('/reshard') for _, name in gathers), gathers
+  wanted = {f'layers/{g}/{n}/reshard': kernel_shapes[n] for g, names in PROJECTIONS.items()
+            for n in names}
+  wanted.update({'embed/reshard': (v, d), 'jvp(Transformer)/reshard': (d, v)})
+  for suffix, weight_shape in wanted.items():
+    assert [s for s, name in gathers if name.endswith(suffix)] == [weight_shape], suffix
+  assert len(gathers) == len(wanted), gathers  # no activation is gathered
+  summed = [(s, name) for op, shapes, size, name in ops
+            if op in ('all-reduce', 'reduce-scatter') and size == 8 for s in shapes]
+  for g, names in PROJECTIONS.items():
+    for n in names:  # one sum per lax.cond branch (int8: int32 partials; bf16: float32)
+      assert sum(s == kernel_shapes[n] and f'transpose(jvp(Transformer))/while/body/' in name
+                 and f'layers/{g}/{n}/cond/' in name for s, name in summed) == 2, (g, n)
+  shapes = [s for s, _ in summed]
+  # The embedding table's and lm_head's (XLA may compute the latter transposed, [V, D]).
+  assert sum(s in ((v, d), (d, v)) for s in shapes) >= 2, shapes
+  with jax.set_mesh(mesh):
+    grads_bytes = sum(x.addressable_shards[0].data.nbytes
+                      for x in jax.tree.leaves(got['controller'][1]))
+  assert grads_bytes == per_device

@@ -108,7 +108,8 @@ def _forward(cfg, policy, params, tokens, mask):
       params, tokens, mask)
 
 
-@pytest.mark.parametrize('axis_types', ['auto', 'explicit'])
+@pytest.mark.parametrize('axis_types', ['auto', 'explicit', 'explicit,auto,auto',
+                                        'auto,explicit,explicit'])
 @pytest.mark.parametrize('policy', [F32Policy(), DoublingRoutedPolicy()])
 def test_sharded_forward_matches_single_device(policy, axis_types):
   cfg = small_config()
@@ -135,8 +136,10 @@ def test_sharded_forward_matches_single_device(policy, axis_types):
                    jax.device_put(mask, sharding.replicated(mesh)))
   # Explicit axes: the model hands the loss the whole vocabulary (its integer-label gather
   # needs it there; gnmr_jax/model.py); auto axes keep the vocab-sharded logits.
-  vocab_axis = 'tensor' if axis_types == 'auto' else None
-  assert got.sharding.spec == P(('data', 'fsdp'), None, vocab_axis)
+  # A mixed mesh's auto axes are placed by the partitioner (its choice, not asserted).
+  if len(set(mesh.axis_types)) == 1:
+    vocab_axis = None if axis_types == 'explicit' else 'tensor'
+    assert got.sharding.spec == P(('data', 'fsdp'), None, vocab_axis)
   # Not bit for bit: the tensor axis splits the sums into per-device partials that
   # are added in another order. Tolerance: the chain of float32 sums a logit comes
   # from (sum of sqrt(n), in eps of max|logits|; tests/tolerances.py).
