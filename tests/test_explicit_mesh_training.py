@@ -6,6 +6,7 @@ int8/bf16 steps, the losses, gradients and controller masks of the single-device
 """
 import collections
 import functools
+import os
 import re
 
 import jax
@@ -17,7 +18,7 @@ import pytest
 from jax.sharding import AxisType
 
 import gnmr_jax
-from gnmr_jax import optim, sharding, train_loop
+from gnmr_jax import checkpointing, metrics_log, optim, sharding, train_loop
 from gnmr_jax.config import base_config
 from gnmr_jax.data import make_data
 from gnmr_jax.model import PROJECTIONS, Transformer
@@ -317,3 +318,57 @@ def test_issue_scenario_value_and_grad_on_a_user_mesh(shape, scenario_reference)
     grads_bytes = sum(x.addressable_shards[0].data.nbytes
                       for x in jax.tree.leaves(got['controller'][1]))
   assert grads_bytes == per_device
+
+
+def restore_newest(workdir, config, data, mesh=None):
+  """The newest checkpoint in `workdir` restored into the state of a run on `mesh` (None:
+  the mesh `config.mesh` describes): (step, host arrays, the restored leaves' shardings)."""
+  run = train_loop.build(config, data=data, mesh=mesh)
+  ckpt = checkpointing.Checkpointer(workdir, 2)
+  with sharding.activation_sharding(run.mesh):
+    abstract = jax.eval_shape(run.init_state, jax.random.key(0))
+    step, state, _ = ckpt.restore(checkpointing.abstract_like(abstract, run.state_shardings),
+                                  checkpointing.config_fingerprint(run.config,
+                                                                   data.vocab_size))
+  ckpt.close()
+  return step, jax.tree.map(np.asarray, state), [x.sharding for x in jax.tree.leaves(state)]
+
+
+def test_checkpoints_restore_across_axis_types_and_resume_exactly(tmp_path, data_dirs, data):
+  """A checkpoint written under auto axes restores under explicit ones and the other way
+  round, bit for bit, into the other run's shardings; a run resumed under explicit axes
+  continues bit for bit (the same compiled step on the same state)."""
+  shape = (2, 2, 2)
+  config = config_for(data_dirs, **{'train.steps': 4, 'checkpoint.every_steps': 0,
+                                    'train.eval_every': 0, 'logging.log_every': 1})
+  auto = ml_collections.ConfigDict(config.to_dict())
+  auto.mesh.update(dict(zip(sharding.MESH_AXES, shape), axis_types='auto'))
+  losses = lambda w: [r['loss'] for r in metrics_log.read_jsonl(
+      os.path.join(w, metrics_log.METRICS_FILE))]
+  whole = train_loop.train_and_evaluate(config, str(tmp_path / 'whole'), data=data,
+                                        mesh=user_mesh(shape))
+  for writer in ('explicit', 'auto'):
+    workdir = str(tmp_path / writer)
+    first = train_loop.train_and_evaluate(
+        auto if writer == 'auto' else config, workdir, data=data, stop_at=2,
+        mesh=None if writer == 'auto' else user_mesh(shape))
+    assert first['preempted'] and first['step'] == 2
+    step_a, state_a, shardings_a = restore_newest(workdir, auto, data)
+    step_e, state_e, shardings_e = restore_newest(workdir, config, data, user_mesh(shape))
+    assert step_a == step_e == 2
+    jax.tree.map(np.testing.assert_array_equal, state_a, state_e)
+    assert {s.mesh.axis_types for s in shardings_a} == {(AxisType.Auto,) * 3}
+    assert {s.mesh.axis_types for s in shardings_e} == {(AxisType.Explicit,) * 3}
+    assert [s.spec for s in shardings_a] == [s.spec for s in shardings_e]
+    # Resumed under explicit axes.
+    second = train_loop.train_and_evaluate(config, workdir, data=data, mesh=user_mesh(shape))
+    assert second['resumed_from_step'] == 2 and second['step'] == 4
+    assert second['corrupted_checkpoints'] == []
+    if writer == 'explicit':  # one axis type throughout: exact
+      assert losses(workdir) == losses(tmp_path / 'whole') and len(losses(workdir)) == 4
+      assert second['eval_loss'] == whole['eval_loss']
+      _, got, _ = restore_newest(workdir, config, data, user_mesh(shape))
+      _, want, _ = restore_newest(str(tmp_path / 'whole'), config, data, user_mesh(shape))
+      jax.tree.map(np.testing.assert_array_equal, got, want)
+    else:
+      assert all(np.isfinite(losses(workdir)))
