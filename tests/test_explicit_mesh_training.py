@@ -6,8 +6,11 @@ int8/bf16 steps, the losses, gradients and controller masks of the single-device
 """
 import collections
 import functools
+import json
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -149,6 +152,10 @@ def test_explicit_mesh_routed_steps_match_single_device(parallelism, single_devi
     (lambda: jax.make_mesh((8,), ('batch',)), None, r"missing: \['data', 'fsdp', 'tensor'\]"),
     (lambda: jax.make_mesh((1, 1, 8), sharding.MESH_AXES), None, r'num_heads=2 % tensor=8'),
     (lambda: user_mesh((8, 1, 1)), jax.devices()[:1], 'not both'),
+    (lambda: user_mesh((3, 1, 1)), None, r'batch_size=8 must be divisible by data \* fsdp'),
+    (lambda: jax.make_mesh((2, 2, 1, 2), sharding.MESH_AXES + ('pipe',)), None,
+     r"unknown: \['pipe'\]"),
+    (lambda: 'data=2,fsdp=4', None, 'must be a jax.sharding.Mesh'),
 ])
 def test_a_user_mesh_is_checked_up_front(mesh_fn, devices, match, data_dirs, data):
   with pytest.raises(ValueError, match=match):
@@ -372,3 +379,42 @@ def test_checkpoints_restore_across_axis_types_and_resume_exactly(tmp_path, data
       jax.tree.map(np.testing.assert_array_equal, got, want)
     else:
       assert all(np.isfinite(losses(workdir)))
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_train_py(workdir, data_dirs, *flags):
+  """train.py on configs/tiny.py:runlocal over 8 simulated CPU devices."""
+  cmd = [sys.executable, os.path.join(REPO, 'train.py'), '--config',
+         os.path.join(REPO, 'configs/tiny.py') + ':runlocal', f'--workdir={workdir}',
+         f'--config.data.data_dir={data_dirs[0]}', f'--config.data.sdist_path={data_dirs[1]}',
+         '--config.logging.plots=False', '--config.data.batch_size=8', *flags]
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
+         'JAX_PLATFORMS': 'cpu'}
+  return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+
+
+def test_train_py_on_an_explicit_mesh_trains_resumes_and_names_bad_meshes(tmp_path, data_dirs):
+  workdir = str(tmp_path / 'run')
+  mesh_flags = ('--config.mesh.axis_types=explicit', '--config.mesh.data=2',
+                '--config.mesh.fsdp=2', '--config.mesh.tensor=2')
+  out = run_train_py(workdir, data_dirs, '--config.train.steps=4', *mesh_flags)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert 'validation perplexity' in out.stdout
+  summary = json.load(open(os.path.join(workdir, metrics_log.SUMMARY_FILE)))
+  assert summary['step'] == 4 and np.isfinite(summary['eval_loss'])
+  # The same workdir, more steps: resumes at 4 on the explicit mesh.
+  out = run_train_py(workdir, data_dirs, '--config.train.steps=6', *mesh_flags)
+  assert out.returncode == 0, out.stderr[-3000:]
+  summary = json.load(open(os.path.join(workdir, metrics_log.SUMMARY_FILE)))
+  assert summary['step'] == 6 and summary['resumed_from_step'] == 4
+  rows = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.METRICS_FILE))
+  assert [r['step'] for r in rows] == [2, 4, 6] and all(np.isfinite(r['loss']) for r in rows)
+  # Bad axis types and meshes that do not fit end with one line naming them (exit 2).
+  for flags, match in [(('--config.mesh.axis_types=manual',), 'mesh.axis_types'),
+                       (('--config.mesh.axis_types=explicit', '--config.mesh.tensor=8',
+                         '--config.mesh.fsdp=1'), 'num_heads=2 % tensor=8')]:
+    out = run_train_py(str(tmp_path / 'bad'), data_dirs, *flags)
+    assert out.returncode == 2 and match in out.stderr, out.stderr[-2000:]
+    assert 'Traceback' not in out.stderr
