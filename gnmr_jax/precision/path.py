@@ -49,7 +49,9 @@ def path_dot(path: Path):
 
   Returns:
     A ``jax.custom_vjp`` function whose residuals are the path's residuals, the
-    kernel, and ``x`` iff ``path.saves_input``.
+    kernel, and ``x`` iff ``path.saves_input`` (wrapped so that, under explicit mesh
+    axes, an ``x`` sharding the contraction like a row-parallel kernel gets it gathered
+    first, as in ``policy.dot``; otherwise it is called as is).
 
   Example:
     >>> import jax, jax.numpy as jnp
