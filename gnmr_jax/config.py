@@ -19,7 +19,7 @@ from gnmr_jax.data.config import default_data_config, validate_data_config
 from gnmr_jax.faults import default_faults_config, validate_faults_config
 from gnmr_jax.model import PROJECTIONS
 from gnmr_jax.model_configs import model_config, validate_model_config
-from gnmr_jax.sharding import MESH_AXES, default_mesh_config, mesh_shape
+from gnmr_jax.sharding import MESH_FIELDS, default_mesh_config, mesh_axis_types, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
 from gnmr_jax.control.priorities import GAP_PRIORITIES, PRIORITIES
 
@@ -375,10 +375,11 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   for field in ("tensorboard", "progress_bar", "plots"):
     if not isinstance(lg[field], bool):
       raise ValueError(f"config.logging.{field} must be True or False, got {lg[field]!r}.")
-  extra = sorted(set(config.mesh.keys()) - set(MESH_AXES))
+  extra = sorted(set(config.mesh.keys()) - set(MESH_FIELDS))
   if extra:
-    raise ValueError(f"config.mesh has unknown fields {extra}; valid fields: {list(MESH_AXES)}.")
+    raise ValueError(f"config.mesh has unknown fields {extra}; valid fields: {list(MESH_FIELDS)}.")
   mesh_shape(config.mesh, device_count or jax.device_count())
+  mesh_axis_types(config.mesh)
   if "faults" in config:
     validate_faults_config(config.faults)
   if config.data.seq_len > config.model.max_seq_len:

@@ -39,8 +39,9 @@ import jax.numpy as jnp
 import ml_collections
 from flax.core import meta
 
+from gnmr_jax import sharding
 from gnmr_jax.model_configs import validate_model_config
-from gnmr_jax.precision import side_buffer
+from gnmr_jax.precision import explicit_sharding, side_buffer
 
 # Projection names per sub-module; each owns a `kernel` of shape [d_in, d_out]
 # per layer ([num_layers, d_in, d_out] stacked).
@@ -143,7 +144,7 @@ def _constrain_side(side):
   """Shards the side buffer's token axes like the activations'."""
   if side is None:
     return None
-  return side._replace(buffer=nn.with_logical_constraint(
+  return side._replace(buffer=sharding.constrain(
       side.buffer, ('batch', 'length', None)))
 
 
@@ -180,8 +181,16 @@ class Embed(nn.Module):
     # Gather the fsdp shards of the table before the lookup, as FSDP does for
     # every weight; otherwise the partitioner must move the lookup result from
     # embed-sharded to batch-sharded, which it does by replicating it.
-    table_VxD = nn.with_logical_constraint(table_VxD.astype(self.dtype), ('vocab', None))
-    return jnp.take(table_VxD, tokens_BxS, axis=0)
+    table_VxD = sharding.gather_weight(
+        sharding.constrain(table_VxD.astype(self.dtype), ('vocab', None)), ('vocab', 'embed'))
+    if not sharding.is_explicit():
+      return jnp.take(table_VxD, tokens_BxS, axis=0)
+    # Explicit axes: a lookup in a vocab-sharded table has no unique output type; it gets
+    # the tokens' sharding (an embedding dim of its own would need an fsdp the batch holds).
+    tokens_spec = tuple(jax.typeof(tokens_BxS).sharding.spec)
+    tokens_spec += (None,) * (tokens_BxS.ndim - len(tokens_spec))
+    return table_VxD.at[tokens_BxS].get(
+        out_sharding=jax.sharding.PartitionSpec(*tokens_spec, None))
 
 
 class Projection(nn.Module):
@@ -200,10 +209,21 @@ class Projection(nn.Module):
         nn.with_logical_partitioning(
             nn.initializers.normal(self.init_std), self.kernel_axes),
         (x.shape[-1], self.features), self.param_dtype)
+    # FSDP: the kernel's embed shards are gathered where it is used (explicit axes only;
+    # under auto axes the partitioner does it).
+    kernel = sharding.gather_weight(kernel, self.kernel_axes)
+    # A row-parallel kernel (o, down: heads / mlp on tensor) and x both shard the
+    # contraction, which has no unique output type under explicit axes; x's shards are
+    # gathered, as policy.dot does for its own per-row scales (no-op otherwise).
+    x = explicit_sharding.unshard_contraction(x, kernel)
     # The float32 master kernel goes to the policy: it owns the operand casts.
     if side is None:
-      return self.policy.dot(x, kernel, recover=recover), None
-    return self.policy.dot_side(x, kernel, recover, side)
+      y, side = self.policy.dot(x, kernel, recover=recover), None
+    else:
+      y, side = self.policy.dot_side(x, kernel, recover, side)
+    if sharding.is_explicit():  # the layout the rules give y (auto axes: the partitioner's)
+      y = sharding.constrain(y, ('batch', 'length', self.kernel_axes[1])[-y.ndim:])
+    return y, side
 
 
 def _dtypes(config) -> tuple[Any, Any]:
@@ -234,13 +254,13 @@ class Attention(nn.Module):
                    side)
     v, side = proj('v', kv_heads * head_dim, ('embed', 'kv_heads'), cfg.init_std, x_BxSxD,
                    side)
-    q_BxSxHxD = nn.with_logical_constraint(
+    q_BxSxHxD = sharding.constrain(
         q.reshape(batch, seq_len, heads, head_dim),
         ('batch', 'length', 'heads', 'head_dim'))
     kv_axes = ('batch', 'length', 'kv_heads', 'head_dim')
-    k_BxSxKxD = nn.with_logical_constraint(
+    k_BxSxKxD = sharding.constrain(
         k.reshape(batch, seq_len, kv_heads, head_dim), kv_axes)
-    v_BxSxKxD = nn.with_logical_constraint(
+    v_BxSxKxD = sharding.constrain(
         v.reshape(batch, seq_len, kv_heads, head_dim), kv_axes)
     q_BxSxHxD = apply_rope(q_BxSxHxD, *rope)
     k_BxSxKxD = apply_rope(k_BxSxKxD, *rope)
@@ -255,7 +275,7 @@ class Attention(nn.Module):
         causal_SxT, scores_BxKxGxSxT, jnp.finfo(jnp.float32).min)
     probs_BxKxGxSxT = jax.nn.softmax(scores_BxKxGxSxT, axis=-1).astype(dtype)
     out_BxSxKxGxD = jnp.einsum('bkgst,btkd->bskgd', probs_BxKxGxSxT, v_BxSxKxD)
-    out_BxSxHD = nn.with_logical_constraint(
+    out_BxSxHD = sharding.constrain(
         out_BxSxKxGxD.reshape(batch, seq_len, heads * head_dim),
         ('batch', 'length', 'heads'))
     return proj('o', d_model, ('heads', 'embed'), out_std, out_BxSxHD, side)
@@ -278,7 +298,7 @@ class Mlp(nn.Module):
 
     gate, side = proj('gate', cfg.ffn_dim, ('embed', 'mlp'), cfg.init_std, x_BxSxD, side)
     up, side = proj('up', cfg.ffn_dim, ('embed', 'mlp'), cfg.init_std, x_BxSxD, side)
-    hidden_BxSxF = nn.with_logical_constraint(
+    hidden_BxSxF = sharding.constrain(
         nn.silu(gate) * up, ('batch', 'length', 'mlp'))
     return proj('down', cfg.d_model, ('mlp', 'embed'), out_std, hidden_BxSxF, side)
 
@@ -302,10 +322,10 @@ class Block(nn.Module):
     residual_axes = ('batch', 'length', 'embed')
     h = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='attn_norm')(x_BxSxD)
     out, side = Attention(cfg, self.policy, name='attn')(h, rope, bits['attn'], side)
-    x_BxSxD = nn.with_logical_constraint(x_BxSxD + out, residual_axes)
+    x_BxSxD = sharding.constrain(x_BxSxD + out, residual_axes)
     h = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='mlp_norm')(x_BxSxD)
     out, side = Mlp(cfg, self.policy, name='mlp')(h, bits['mlp'], side)
-    x_BxSxD = nn.with_logical_constraint(x_BxSxD + out, residual_axes)
+    x_BxSxD = sharding.constrain(x_BxSxD + out, residual_axes)
     return (x_BxSxD, _constrain_side(side)), None
 
 
@@ -366,7 +386,7 @@ class Transformer(nn.Module):
 
     x_BxSxD = Embed(cfg.vocab_size, cfg.init_std, dtype, param_dtype,
                     name='embed')(tokens, cfg.d_model)
-    x_BxSxD = nn.with_logical_constraint(x_BxSxD, ('batch', 'length', 'embed'))
+    x_BxSxD = sharding.constrain(x_BxSxD, ('batch', 'length', 'embed'))
     rope = rope_tables(tokens.shape[1], cfg.d_model // cfg.num_heads, cfg.rope_theta)
 
     block = Block
@@ -403,9 +423,17 @@ class Transformer(nn.Module):
         nn.with_logical_partitioning(
             nn.initializers.normal(cfg.d_model ** -0.5), ('embed', 'vocab')),
         (cfg.d_model, cfg.vocab_size), param_dtype)
+    head_DxV = sharding.gather_weight(head.astype(dtype), ('embed', 'vocab'))
     logits_BxSxV = jnp.einsum(
-        'bsd,dv->bsv', x_BxSxD, head.astype(dtype),
-        preferred_element_type=jnp.float32)
+        'bsd,dv->bsv', x_BxSxD, head_DxV, preferred_element_type=jnp.float32)
     # The side buffer's chain ends on the logits (side_buffer.attach: + 0).
     logits_BxSxV = side_buffer.attach(logits_BxSxV, side)
-    return nn.with_logical_constraint(logits_BxSxV, ('batch', 'length', 'vocab'))
+    logits_BxSxV = sharding.constrain(logits_BxSxV, ('batch', 'length', 'vocab'))
+    if sharding.is_explicit():
+      # Explicit axes: the logits leave with the whole vocabulary on every device. The loss
+      # (optax's integer-label cross entropy in train_step.py) picks the target logit with a
+      # gather, which has no unique output type on a vocab-sharded array; this all-gathers
+      # the tensor shards of the logits instead (auto axes: the partitioner's choice, as
+      # before).
+      logits_BxSxV = sharding.constrain(logits_BxSxV, ('batch', 'length', None))
+    return logits_BxSxV

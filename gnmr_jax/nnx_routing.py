@@ -1,7 +1,8 @@
 r"""Routing an existing Flax NNX model through a precision policy, unit by unit.
 
 ``route(model, policy, recovery_mask)`` is a context manager: inside it, every
-``nnx.Linear`` (its ``dot_general``) and ``nnx.Einsum`` (its ``einsum_op``)
+``nnx.Linear`` and ``nnx.LinearGeneral`` (their ``dot_general``; LinearGeneral over
+trailing input axes, without batch axes) and ``nnx.Einsum`` (its ``einsum_op``)
 whose kernel has a bit in ``recovery_mask`` runs
 ``lax.cond(bit, recovery, low_cost)`` of ``policy``; on exit the layers get
 their own functions back. Use it inside the traced step::
@@ -189,6 +190,7 @@ def mask_bits(recovery_mask) -> dict[tuple, jax.Array]:
 
 # The attribute each routable layer type calls its matmul through.
 _ROUTABLE = ((nnx.Linear, 'dot_general', RoutedDotGeneral),
+             (nnx.LinearGeneral, 'dot_general', RoutedDotGeneral),
              (nnx.Einsum, 'einsum_op', RoutedEinsum))
 
 

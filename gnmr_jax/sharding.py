@@ -35,13 +35,21 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from gnmr_jax.control.units import path_to_str
 from gnmr_jax.model_configs import validate_model_config
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
 BATCH_AXES = ('data', 'fsdp')
+# config.mesh.axis_types: one name for every axis, or one per axis in MESH_AXES order
+# ('explicit,auto,auto'). jax.make_mesh's default is 'explicit'; ours stays 'auto' because
+# XLA:CPU cannot run the bf16 path's backward on a one-device explicit mesh ("Unsupported
+# element type for DotThunk::Execute: BF16 x BF16 = F32"), which single-device runs need.
+AXIS_TYPES = {'explicit': AxisType.Explicit, 'auto': AxisType.Auto}
+DEFAULT_AXIS_TYPES = 'auto'
+# Every field of config.mesh.
+MESH_FIELDS = MESH_AXES + ('axis_types',)
 
 LogicalRules = tuple[tuple[str, Any], ...]
 
@@ -55,7 +63,26 @@ def default_mesh_config() -> ml_collections.ConfigDict:
   config.fsdp = -1
   # Tensor parallel: attention heads, MLP hidden and vocabulary.
   config.tensor = 1
+  # 'auto' (the partitioner propagates shardings from the constraints), 'explicit'
+  # (sharding in every array's type; jax.make_mesh's default), or one per axis, e.g.
+  # 'explicit,auto,auto' for (data, fsdp, tensor).
+  config.axis_types = DEFAULT_AXIS_TYPES
   return config
+
+
+def mesh_axis_types(mesh_config: ml_collections.ConfigDict) -> tuple[AxisType, ...]:
+  """config.mesh.axis_types (absent: DEFAULT_AXIS_TYPES) as one AxisType per mesh axis.
+
+  Raises:
+    ValueError: not a string of 'explicit' / 'auto', once or once per axis.
+  """
+  value = mesh_config.get('axis_types', DEFAULT_AXIS_TYPES)
+  names = [n.strip() for n in value.split(',')] if isinstance(value, str) else None
+  if names is None or len(names) not in (1, len(MESH_AXES)) or not set(names) <= set(AXIS_TYPES):
+    raise ValueError(
+        f'mesh.axis_types must be one of {sorted(AXIS_TYPES)} for every axis, or one per '
+        f'axis {MESH_AXES} joined by commas (e.g. "explicit,auto,auto"), got {value!r}')
+  return tuple(AXIS_TYPES[n] for n in names * (len(MESH_AXES) // len(names)))
 
 
 def mesh_shape(mesh_config: ml_collections.ConfigDict, device_count: int
@@ -92,12 +119,46 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, device_count: int
 
 def make_mesh(mesh_config: ml_collections.ConfigDict,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Builds a `Mesh` with axes ('data', 'fsdp', 'tensor') over all (or given) devices."""
+  """Builds a `Mesh` with axes ('data', 'fsdp', 'tensor') over all (or given) devices.
+
+  Its axis types come from `mesh_config.axis_types` (`mesh_axis_types`).
+  """
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_config, len(devices))
+  axis_types = mesh_axis_types(mesh_config)
   device_array = mesh_utils.create_device_mesh(
       shape, devices, allow_split_physical_axes=True)
-  return Mesh(device_array, MESH_AXES)
+  return Mesh(device_array, MESH_AXES, axis_types=axis_types)
+
+
+def check_mesh(mesh: Any, exact: bool = False) -> None:
+  """Raises a ValueError unless `mesh` is a `jax.sharding.Mesh` with the axes MESH_AXES.
+
+  With `exact`, other axes are refused too (the train loop's config describes the mesh).
+  Sizes against the model and the batch: `check_model_fits_mesh`.
+  """
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f'mesh must be a jax.sharding.Mesh (e.g. jax.make_mesh(shape, '
+                     f'{MESH_AXES})), got {type(mesh).__name__}')
+  missing = [a for a in MESH_AXES if a not in mesh.axis_names]
+  extra = [a for a in mesh.axis_names if a not in MESH_AXES] if exact else []
+  if missing or extra:
+    raise ValueError(
+        f'mesh has axes {tuple(mesh.axis_names)}; the model shards over exactly {MESH_AXES} '
+        f'(missing: {missing}, unknown: {extra}); use size 1 for an axis you do not need')
+  other = [f'{n}: {t}' for n, t in zip(mesh.axis_names, mesh.axis_types)
+           if t not in AXIS_TYPES.values()]
+  if other:
+    raise ValueError(f'mesh axes must be AxisType.Explicit or AxisType.Auto, got {other}')
+
+
+def mesh_config_of(mesh: Mesh) -> ml_collections.ConfigDict:
+  """The mesh config (sizes and axis types) that describes `mesh`."""
+  config = ml_collections.ConfigDict({a: int(mesh.shape[a]) for a in MESH_AXES})
+  types = {t: n for n, t in AXIS_TYPES.items()}
+  names = [types[mesh.axis_types[mesh.axis_names.index(a)]] for a in MESH_AXES]
+  config.axis_types = names[0] if len(set(names)) == 1 else ','.join(names)
+  return config
 
 
 def default_logical_rules() -> LogicalRules:
@@ -128,9 +189,7 @@ def check_model_fits_mesh(model_cfg: ml_collections.ConfigDict, mesh: Mesh,
   ffn_dim, vocab_size % tensor (with the default rules).
   """
   validate_model_config(model_cfg)
-  for axis in MESH_AXES:
-    if axis not in mesh.shape:
-      raise ValueError(f'mesh has axes {tuple(mesh.shape)}, expected {MESH_AXES}')
+  check_mesh(mesh)
   data, fsdp, tensor = (mesh.shape[a] for a in MESH_AXES)
   if batch_size % (data * fsdp):
     raise ValueError(
@@ -151,7 +210,8 @@ def check_model_fits_mesh(model_cfg: ml_collections.ConfigDict, mesh: Mesh,
 
 def _abstract_variables(model: nn.Module, tokens_shape: tuple[int, int]):
   tokens = jax.ShapeDtypeStruct(tokens_shape, jnp.int32)
-  return jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)
+  with _rules_for_init():
+    return jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)
 
 
 def logical_param_specs(model: nn.Module, tokens_shape: tuple[int, int] = (1, 1)):
@@ -173,8 +233,25 @@ def init_params(model: nn.Module, rng: jax.Array, mesh: Mesh,
   """Initialises p directly in its sharded layout (never materialised whole)."""
   shardings = param_shardings(model, mesh, rules, tokens_shape)
   tokens = jnp.zeros(tokens_shape, jnp.int32)
-  init = lambda key: nn.unbox(model.init(key, tokens)['params'])
+  init = lambda key: init_unboxed(model, key, tokens)
   return jax.jit(init, out_shardings=shardings)(rng)
+
+
+def init_unboxed(model: nn.Module, rng: jax.Array, tokens: jax.Array):
+  """p = `nn.unbox(model.init(rng, tokens)['params'])`, also under explicit mesh axes.
+
+  Flax's param creation and unbox apply the logical rules in context as
+  `with_sharding_constraint`s, which
+  explicit axes turn into assertions on freshly initialised (replicated) values; there the
+  rules are set aside for the init and the caller's jit `out_shardings` place p.
+  """
+  with _rules_for_init():
+    return nn.unbox(model.init(rng, tokens)['params'])
+
+
+def _rules_for_init():
+  """No logical rules under explicit axes (see `init_unboxed`); otherwise those in context."""
+  return nn.logical_axis_rules(()) if is_explicit() else contextlib.nullcontext()
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -214,3 +291,79 @@ def opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, re
     return replicated
 
   return jax.tree_util.tree_map_with_path(pick, abstract_opt_state)
+
+# Constraints the model places on its activations and weights. Under an auto-axes mesh (or
+# none) they are exactly Flax's `nn.with_logical_constraint`, a hint the partitioner follows.
+# Under explicit axes the sharding is part of every array's type and `with_sharding_constraint`
+# only asserts it, so these reshard instead (`jax.sharding.reshard`), explicit axis by axis.
+
+
+def _explicit_axis_names(mesh) -> frozenset:
+  if mesh.empty:
+    return frozenset()
+  return frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types)
+                   if t == AxisType.Explicit)
+
+
+def _entry_axes(entry) -> tuple:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _spec_entry(axes: tuple):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
+  """`x` sharded by the logical axis rules in context (`activation_sharding`).
+
+  Auto axes (or no mesh, or no rules): `nn.with_logical_constraint(x, logical_axes)`, the
+  same program as before explicit-axis support. Explicit axes: x is resharded to the rules'
+  spec on those axes; a dimension the axes' size does not divide stays unsharded there
+  (explicit types shard evenly; `model.init` traces a 1-row batch). A mixed mesh gets both:
+  the reshard for its explicit axes, the constraint for its auto ones.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = _explicit_axis_names(mesh)
+  rules = nn.get_logical_axis_rules()
+  if not explicit or not rules:
+    return nn.with_logical_constraint(x, logical_axes)
+  spec = tuple(nn.logical_to_mesh_axes(logical_axes, rules))
+  explicit_spec, auto_spec = [], []
+  for size, entry in zip(x.shape, spec):
+    axes = _entry_axes(entry)
+    on_explicit = tuple(a for a in axes if a in explicit)
+    if size % math.prod(mesh.shape[a] for a in on_explicit):
+      on_explicit = ()
+    explicit_spec.append(_spec_entry(on_explicit))
+    auto_spec.append(_spec_entry(tuple(a for a in axes if a not in explicit)))
+  x = jax.sharding.reshard(x, PartitionSpec(*explicit_spec))
+  if any(auto_spec):
+    x = jax.lax.with_sharding_constraint(x, PartitionSpec(*auto_spec))
+  return x
+
+
+def gather_weight(weight: jax.Array, logical_axes: tuple, gathered: str = 'embed'
+                  ) -> jax.Array:
+  """`weight` with its `gathered` (FSDP) dimension all-gathered, before it is used.
+
+  Under explicit axes the weight's type says how it is sharded; this reshards the
+  dimensions named `gathered` to unsharded and leaves the others (tensor parallel) as
+  they are; its transpose, in the backward pass, reduce-scatters the weight gradient back
+  to the FSDP layout. Auto axes or no mesh: `weight` unchanged (the partitioner gathers).
+  """
+  if not _explicit_axis_names(jax.sharding.get_abstract_mesh()):
+    return weight
+  spec = tuple(jax.typeof(weight).sharding.spec)
+  spec += (None,) * (weight.ndim - len(spec))
+  target = tuple(None if name == gathered else entry
+                 for name, entry in zip(logical_axes, spec))
+  if target == spec:
+    return weight
+  return jax.sharding.reshard(weight, PartitionSpec(*target))
+
+
+def is_explicit() -> bool:
+  """Whether the context mesh (`jax.set_mesh`) has explicit axes."""
+  return bool(_explicit_axis_names(jax.sharding.get_abstract_mesh()))

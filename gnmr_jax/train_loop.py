@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-import flax.linen as nn
 
 from gnmr_jax import checkpointing, metrics_log, sharding
 from gnmr_jax import faults as faults_lib
@@ -65,7 +64,7 @@ VOCAB_MULTIPLE = 64
 
 
 def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
-          make_tx=None, task=None) -> Run:
+          make_tx=None, task=None, mesh: jax.sharding.Mesh | None = None) -> Run:
   """Validates the config and builds data, policy, model, optimizer, mesh and jitted steps.
 
   The model's vocabulary is the tokenizer's, padded up to a multiple of 64 so it
@@ -77,8 +76,17 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   `init_state(rng, *, spec)`, `train_step(state, batch, *, spec)`, `eval_step(state, batch,
   *, spec)`, `trainable(state)` and `summary_fields(run, state, *, final)`; its state is
   replicated over the mesh.
+  `mesh` replaces the one `config.mesh` describes: a `jax.sharding.Mesh` with axes
+  ('data', 'fsdp', 'tensor'), explicit or auto (e.g. `jax.make_mesh((2, 2, 2),
+  sharding.MESH_AXES)`); `run.config.mesh` then describes it.
   """
   config = ml_collections.ConfigDict(config.to_dict())
+  if mesh is not None:
+    if devices is not None:
+      raise ValueError("build: pass devices= or mesh=, not both (the mesh holds its devices).")
+    sharding.check_mesh(mesh, exact=True)
+    config.mesh = sharding.mesh_config_of(mesh)
+    devices = list(mesh.devices.flat)
   validate_config(config, len(devices) if devices is not None else jax.device_count())
   policy = make_policy(config.precision,
                        max_recovered=config.gnmr.max_o if config.gnmr.enabled else None)
@@ -90,7 +98,8 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   model_config.vocab_size = -(-int(data.vocab_size) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
   if policy.routed:
     model_config.scan_unroll = policy.scan_unroll(model_config.num_layers)
-  mesh = sharding.make_mesh(config.mesh, devices)
+  if mesh is None:
+    mesh = sharding.make_mesh(config.mesh, devices)
   sharding.check_model_fits_mesh(model_config, mesh, config.data.batch_size)
   model = Transformer(model_config, policy)
   tx = (make_tx or make_optimizer)(config)
@@ -100,7 +109,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   perturbation = float(config.train.get("init_perturbation", 0.0))
 
   def init_state(rng):
-    params = nn.unbox(model.init(rng, jnp.zeros((1, seq_len), jnp.int32))["params"])
+    params = sharding.init_unboxed(model, rng, jnp.zeros((1, seq_len), jnp.int32))
     if perturbation:  # the noise floor of a seed: the same init but for ~one rounding
       keys = jax.random.split(jax.random.fold_in(rng, 2), len(jax.tree_util.tree_leaves(params)))
       params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), [
@@ -218,7 +227,7 @@ class _Preemption:
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=None,
                        devices=None, stop_at: Optional[int] = None, make_tx=None,
-                       task=None) -> dict:
+                       task=None, mesh: Optional[jax.sharding.Mesh] = None) -> dict:
   """Trains (or resumes) in `workdir` and returns the run summary.
 
   Args:
@@ -234,13 +243,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     make_tx: optional `config -> optax transform` replacing the configured chain.
     task: optional task replacing the language-model objective and state (`build`), e.g.
       gnmr_jax.lora.LoraTask: LoRA fine-tuning through this same loop.
+    mesh: optional mesh of your own replacing `config.mesh` (see `build`).
 
   Returns:
     A dict with final eval loss/perplexity, the unigram baseline, recovered
     unit-steps %, threshold exceedance %, tokens/s and file paths.
   """
   workdir = os.path.abspath(os.path.expanduser(workdir))
-  run = build(config, data=data, devices=devices, make_tx=make_tx, task=task)
+  run = build(config, data=data, devices=devices, make_tx=make_tx, task=task, mesh=mesh)
   config = run.config
   is_main = jax.process_index() == 0
   ckpt = checkpointing.Checkpointer(workdir, config.checkpoint.max_to_keep)

@@ -247,6 +247,26 @@ def test_einsum_layer_is_routed_per_head():
   assert layer.einsum_op is jnp.einsum
 
 
+def test_linear_general_layer_is_routed():
+  layer = nnx.LinearGeneral(D_IN, (3, 5), rngs=nnx.Rngs(5))
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 7, D_IN)), jnp.float32)
+
+  @nnx.jit
+  def apply(layer, bit, x):
+    with nnx_routing.route(layer, POLICY, {'kernel': bit}) as routed:
+      assert routed == ((),)
+      return layer(x)
+
+  kernel, bias = layer.kernel[...], layer.bias[...]
+  for bit in (False, True):
+    want = _path_dot(bit)(x.reshape(-1, D_IN), kernel.reshape(D_IN, 15)).reshape(2, 7, 3, 5)
+    np.testing.assert_allclose(apply(layer, jnp.array(bit), x), want + bias, rtol=1e-6,
+                               atol=1e-7)
+  assert not np.allclose(apply(layer, jnp.array(True), x), apply(layer, jnp.array(False), x),
+                         rtol=1e-3)
+  assert layer.dot_general is None  # its own (lax.dot_general) again
+
+
 def test_routed_einsum_matches_einsum_for_transposed_and_batched_equations():
   """bf16 static policy: each equation equals jnp.einsum of the bf16-rounded operands."""
   policy = _policy(mode='static', low_cost_path='bf16')

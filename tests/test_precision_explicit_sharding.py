@@ -224,3 +224,27 @@ def test_flax_hooks_under_explicit_mesh():
       # d sum(y^2)/dW = x^T (2y): the sharded sums reorder its M terms.
       bound = _bound(M, x.T, 2 * np.asarray(y_want))
       assert np.all(np.abs(np.asarray(grads['kernel'], np.float64) - want['kernel']) <= bound)
+
+
+@pytest.mark.parametrize('path', ['bf16', 'int8'])
+def test_path_dot_with_a_row_parallel_kernel(path):
+  """path_dot(x, W) with x and W both sharding the contraction (jnp.dot would refuse it):
+  x's shards are gathered, so the result and gradients are those of one device."""
+  dot = path_lib.path_dot(registry.get_path(path)(_config(path), 'low_cost'))
+  fn = jax.jit(lambda x, k, c: jax.vjp(dot, x, k)[1](c) + (dot(x, k),))
+  x, kernel, cotangent = _inputs(3)
+  want = fn(x, kernel, cotangent)
+  mesh = _explicit_mesh((2, 4), ('data', 'model'))
+  with jax.set_mesh(mesh):
+    x_s = jax.device_put(x, NamedSharding(mesh, P('data', 'model')))
+    kernel_s = jax.device_put(kernel, NamedSharding(mesh, P('model', None)))
+    got = fn(x_s, kernel_s, jax.device_put(cotangent, NamedSharding(mesh, P('data'))))
+  assert got[0].sharding.is_equivalent_to(x_s.sharding, 2)
+  assert got[1].sharding.is_equivalent_to(kernel_s.sharding, 2)
+  bounds = (_bound(N, cotangent, kernel.T), _bound(M, x.T, cotangent), _bound(K, x, kernel))
+  for g, w, bound in zip(got, want, bounds):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    if path == 'int8':  # int32 accumulation, scales are maxima: exact in any order
+      np.testing.assert_array_equal(g, w)
+    else:
+      assert np.all(np.abs(g - w) <= bound)

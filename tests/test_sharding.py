@@ -30,8 +30,8 @@ class DoublingRoutedPolicy(F32Policy):
     return y if recover is None else jax.lax.cond(recover, lambda: 2 * y, lambda: y)
 
 
-def mesh_config(data, fsdp, tensor):
-  return ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=tensor))
+def mesh_config(data, fsdp, tensor, **fields):
+  return ml_collections.ConfigDict(dict(data=data, fsdp=fsdp, tensor=tensor, **fields))
 
 
 def small_config():
@@ -108,10 +108,12 @@ def _forward(cfg, policy, params, tokens, mask):
       params, tokens, mask)
 
 
+@pytest.mark.parametrize('axis_types', ['auto', 'explicit', 'explicit,auto,auto',
+                                        'auto,explicit,explicit'])
 @pytest.mark.parametrize('policy', [F32Policy(), DoublingRoutedPolicy()])
-def test_sharded_forward_matches_single_device(policy):
+def test_sharded_forward_matches_single_device(policy, axis_types):
   cfg = small_config()
-  mesh = sharding.make_mesh(mesh_config(2, 2, 2))
+  mesh = sharding.make_mesh(mesh_config(2, 2, 2, axis_types=axis_types))
   rules = sharding.default_logical_rules()
   sharding.check_model_fits_mesh(cfg, mesh, BATCH)
   model = Transformer(cfg, policy)
@@ -125,13 +127,19 @@ def test_sharded_forward_matches_single_device(policy):
   mask = {'layers': {g: {n: {'kernel': jnp.asarray(rng.random(cfg.num_layers) < 0.5)}
                          for n in names} for g, names in PROJECTIONS.items()}}
 
-  local_params = jax.device_put(params, jax.devices()[0])
+  # Host copies: a device_put of an explicit-sharded array keeps its mesh in its type.
+  local_params = jax.tree.map(np.asarray, params)
   want = _forward(cfg, policy, local_params, tokens, mask)
   with sharding.activation_sharding(mesh, rules):
     got = _forward(cfg, policy, params,
                    jax.device_put(tokens, sharding.batch_sharding(mesh)),
                    jax.device_put(mask, sharding.replicated(mesh)))
-  assert got.sharding.spec == P(('data', 'fsdp'), None, 'tensor')
+  # Explicit axes: the model hands the loss the whole vocabulary (its integer-label gather
+  # needs it there; gnmr_jax/model.py); auto axes keep the vocab-sharded logits.
+  # A mixed mesh's auto axes are placed by the partitioner (its choice, not asserted).
+  if len(set(mesh.axis_types)) == 1:
+    vocab_axis = None if axis_types == 'explicit' else 'tensor'
+    assert got.sharding.spec == P(('data', 'fsdp'), None, vocab_axis)
   # Not bit for bit: the tensor axis splits the sums into per-device partials that
   # are added in another order. Tolerance: the chain of float32 sums a logit comes
   # from (sum of sqrt(n), in eps of max|logits|; tests/tolerances.py).

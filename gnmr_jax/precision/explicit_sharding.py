@@ -116,7 +116,7 @@ def zeros(aval) -> jax.Array:
 
 
 def unshard_contraction(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """x [M, K] with its K axis gathered when x and kernel both shard K (else as is).
+  """x [..., K] with its K axis gathered when x and kernel [K, N] both shard K (else as is).
 
   ``x @ kernel`` contracting an axis sharded on both operands (a row-parallel
   kernel) has no unique output type. Gathering x's K axis makes it well typed
@@ -126,11 +126,12 @@ def unshard_contraction(x: jax.Array, kernel: jax.Array) -> jax.Array:
   x_sharding, kernel_sharding = out_sharding(x), out_sharding(kernel)
   if x_sharding is None or kernel_sharding is None:
     return x
-  x_spec = tuple(x_sharding.spec) + (None,) * (2 - len(x_sharding.spec))
+  x_spec = tuple(x_sharding.spec) + (None,) * (x.ndim - len(x_sharding.spec))
   kernel_spec = tuple(kernel_sharding.spec) + (None,) * (2 - len(kernel_sharding.spec))
-  if x_spec[1] is None or kernel_spec[0] is None:
+  if x_spec[-1] is None or kernel_spec[0] is None:
     return x
-  return jax.sharding.reshard(x, NamedSharding(x_sharding.mesh, PartitionSpec(x_spec[0], None)))
+  return jax.sharding.reshard(
+      x, NamedSharding(x_sharding.mesh, PartitionSpec(*x_spec[:-1], None)))
 
 
 def retype(value: jax.Array, aval) -> jax.Array:

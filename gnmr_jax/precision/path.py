@@ -23,6 +23,7 @@ backward reads them with ``explicit_sharding.out_sharding(x)`` and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Callable
 
@@ -48,7 +49,9 @@ def path_dot(path: Path):
 
   Returns:
     A ``jax.custom_vjp`` function whose residuals are the path's residuals, the
-    kernel, and ``x`` iff ``path.saves_input``.
+    kernel, and ``x`` iff ``path.saves_input`` (wrapped so that, under explicit mesh
+    axes, an ``x`` sharding the contraction like a row-parallel kernel gets it gathered
+    first, as in ``policy.dot``; otherwise it is called as is).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -75,7 +78,17 @@ def path_dot(path: Path):
     return path.backward(residuals, x, kernel, g)
 
   dot.defvjp(dot_fwd, dot_bwd)
-  return dot
+  # A partial, not a function: modules set its __doc__ (bf16_dot), as on a custom_vjp.
+  return functools.partial(_row_parallel_dot, dot)
+
+
+def _row_parallel_dot(dot, x, kernel):
+  """dot(x, kernel) with x's K shards gathered when x and a row-parallel kernel both shard K.
+
+  That contraction is ill-typed under explicit axes; the gather (as in policy.dot, a no-op
+  otherwise) sits outside the custom_vjp, so its transpose gives dx x's own sharding.
+  """
+  return dot(explicit_sharding.unshard_contraction(x, kernel), kernel)
 
 
 def _call_leg(leg, lhs, rhs, out_dtype, out_sharding):
