@@ -474,6 +474,8 @@ def main(argv=None):
       parts.append(section(key, scale, results.get((key, scale)), previous.get((key, scale))))
   from experiments import selection_report  # pylint: disable=g-import-not-at-top
   parts.append(selection_report.section())
+  from experiments import noise_fraction  # pylint: disable=g-import-not-at-top
+  parts.append(noise_fraction.section())
   text = "\n\n".join(parts).rstrip() + "\n"
   with open(REPORT, "w", encoding="utf-8") as f:
     f.write(text)
