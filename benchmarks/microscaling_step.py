@@ -23,7 +23,6 @@ import time
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

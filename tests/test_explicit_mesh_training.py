@@ -316,7 +316,7 @@ def test_issue_scenario_value_and_grad_on_a_user_mesh(shape, scenario_reference)
             if op in ('all-reduce', 'reduce-scatter') and size == 8 for s in shapes]
   for g, names in PROJECTIONS.items():
     for n in names:  # one sum per lax.cond branch (int8: int32 partials; bf16: float32)
-      assert sum(s == kernel_shapes[n] and f'transpose(jvp(Transformer))/while/body/' in name
+      assert sum(s == kernel_shapes[n] and 'transpose(jvp(Transformer))/while/body/' in name
                  and f'layers/{g}/{n}/cond/' in name for s, name in summed) == 2, (g, n)
   shapes = [s for s, _ in summed]
   # The embedding table's and lm_head's (XLA may compute the latter transposed, [V, D]).

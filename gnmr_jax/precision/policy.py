@@ -7,7 +7,6 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from gnmr_jax.precision import config as config_lib
