@@ -279,6 +279,8 @@ def test_config_selects_each_priority_and_refuses_a_gap_priority_without_measure
     config.gnmr.fixed_units = "attn/q" if priority == "fixed" else ""  # its set (1 unit)
     config.gnmr.last_blocks = 1 if priority == "last_blocks" else 0
     config.gnmr.switch_step = 5 if priority == "late_switch" else 0
+    # 'noise' needs every unit re-measured
+    config.diagnostics.recovery_gap_pass = "uniform" if priority == "noise" else "recovery"
     validate_config(config, 1)
     tx = optim.make_optimizer(config)
     state = tx.init({"layers": {"attn": {"q": {"kernel": jnp.zeros((2, 4, 4))}}}})
