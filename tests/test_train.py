@@ -28,6 +28,7 @@ def run_train_py(workdir, data_dirs, *flags):
   return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
 
 
+@pytest.mark.plumbing  # train.py's logs, resume and refusals; no XLA optimizations
 def test_train_py_end_to_end_resume_and_refusal(tmp_path, data_dirs):
   workdir = str(tmp_path / "run")
   out = run_train_py(workdir, data_dirs, "--config.train.steps=6", "--config.gnmr.max_o=3")
@@ -73,6 +74,7 @@ def _state_arrays(workdir, config, data):
   return step, jax.tree.map(np.asarray, state), data_state
 
 
+@pytest.mark.plumbing  # all three runs without XLA optimizations
 def test_resume_continues_bit_for_bit(tmp_path, data_dirs):
   config = small_config(data_dirs, **{"train.steps": 8, "logging.log_every": 1,
                                       "checkpoint.every_steps": 0, "train.eval_every": 0})
