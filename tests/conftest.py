@@ -1,6 +1,6 @@
 """Test-wide setup: 8 simulated CPU devices for the sharding tests (set before jax is imported),
-one persistent compilation cache, the prepared corpus, and the `plumbing` marker (no XLA
-optimizations)."""
+one persistent compilation cache, the prepared corpus and one trained run per worker, and the
+`plumbing` marker (no XLA optimizations)."""
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -35,6 +35,15 @@ def data_dirs(tmp_path_factory, corpus_sdist):
   """(a TFDS data dir prepared once per test worker, the sdist path) for data configs; the
   prepared token caches are read-only afterwards, keyed by the fields that change them."""
   return str(tmp_path_factory.mktemp("tfds")), corpus_sdist
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, data_dirs):
+  """train_helpers.TinyRun(config, data, workdir, summary): one 8-step run of
+  train_helpers.tiny_run_config (checkpoints at 4, 6, 8), trained once per test worker without XLA
+  optimizations, for plumbing tests that read it. Read only: copy the workdir to resume it."""
+  import train_helpers  # pylint: disable=g-import-not-at-top
+  return train_helpers.train_tiny_run(data_dirs, str(tmp_path_factory.mktemp("tiny_run") / "run"))
 
 
 @pytest.fixture(autouse=True)

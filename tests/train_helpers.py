@@ -1,5 +1,7 @@
-"""Shared helpers for the train-loop tests: the seconds-long config with test data paths, and
-plumbing runs without XLA optimizations."""
+"""Shared helpers for the train-loop tests: the seconds-long config with test data paths, the
+one shared trained run (`tiny_run` in conftest.py), and plumbing runs without XLA
+optimizations."""
+import collections
 import contextlib
 import os
 import sys
@@ -70,3 +72,32 @@ def xla_optimizations(enabled: bool):
     if previous != disable:
       jax.clear_caches()
       jax.config.update(_FLAG, previous)
+
+
+# --- the shared trained run ----------------------------------------------------------------------
+
+TinyRun = collections.namedtuple("TinyRun", "config data workdir summary")
+
+
+def tiny_run_config(data, **overrides):
+  """The config of the shared run: small_config's 8 steps on one device, every step logged, a
+  checkpoint every 2 steps (the last 3 kept), no intermediate eval. Tests that resume it or
+  rerun part of it (stop_at) use this config, so their train step is the same program (a
+  persistent-cache hit); other train.steps values change the LR schedule, so another program."""
+  return small_config(data, **{"logging.log_every": 1, "train.eval_every": 0,
+                               "checkpoint.every_steps": 2, "checkpoint.max_to_keep": 3,
+                               **overrides})
+
+
+def train_tiny_run(data_dirs, workdir):
+  """Trains tiny_run_config for its 8 steps on one device, without XLA optimizations (its readers
+  are plumbing tests that compare against it bit for bit in that setting)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import train_loop  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
+  config = tiny_run_config(data_dirs)
+  data = make_data(config.data)
+  with xla_optimizations(False):
+    summary = train_loop.train_and_evaluate(config, workdir, data=data, devices=jax.devices()[:1])
+  assert summary["step"] == config.train.steps and summary["resumed_from_step"] == 0, summary
+  return TinyRun(config, data, workdir, summary)
