@@ -1,6 +1,6 @@
 """Shared helpers for the train-loop tests: the seconds-long config with test data paths, the
-one shared trained run (`tiny_run` in conftest.py), and plumbing runs without XLA
-optimizations."""
+one shared trained run (`tiny_run` in conftest.py), plumbing runs without XLA optimizations, and
+a compilation counter."""
 import collections
 import contextlib
 import os
@@ -101,3 +101,59 @@ def train_tiny_run(data_dirs, workdir):
     summary = train_loop.train_and_evaluate(config, workdir, data=data, devices=jax.devices()[:1])
   assert summary["step"] == config.train.steps and summary["resumed_from_step"] == 0, summary
   return TinyRun(config, data, workdir, summary)
+
+
+# --- counting compilations -------------------------------------------------------------------
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+Compile = collections.namedtuple("Compile", "fun_name persistent_cache_hit seconds")
+
+
+class CompileLog:
+  """Records every XLA backend compilation in a block (like optax's test_utils.log_compilations,
+  but from jax.monitoring events instead of log text).
+
+  jax 0.10.2 records BACKEND_COMPILE_EVENT (with the jitted function's name as `fun_name`) each
+  time it hands a lowered program to the backend: on the first call of a jitted function for
+  given shapes and shardings, never on a call served by jax's in-memory caches. Inside it, the
+  persistent compilation cache records CACHE_HIT_EVENT when it serves the executable from disk;
+  otherwise XLA compiles it. So `compiles` counts programs handed to XLA per function name, and
+  `persistent_cache_hit` says whether XLA actually compiled them. Usage:
+  `with CompileLog() as log: ...`, then `log.of("train_step")`.
+  """
+
+  def __init__(self):
+    self.compiles = []
+    self._hit = False
+
+  def _on_event(self, event, **kwargs):
+    del kwargs
+    if event == CACHE_HIT_EVENT:
+      self._hit = True
+
+  def _on_duration(self, event, seconds, **kwargs):
+    if event == BACKEND_COMPILE_EVENT:
+      self.compiles.append(Compile(str(kwargs.get("fun_name")), self._hit, seconds))
+      self._hit = False
+
+  def __enter__(self):
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.monitoring.register_event_listener(self._on_event)
+    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+    return self
+
+  def __exit__(self, *exc):
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.monitoring.unregister_event_listener(self._on_event)
+    jax.monitoring.unregister_event_duration_listener(self._on_duration)
+
+  def of(self, name):
+    """The compilations of the jitted functions whose name contains `name`."""
+    return [c for c in self.compiles if name in c.fun_name]
+
+  def __str__(self):
+    return "\n".join(
+        f"{c.fun_name}: {'persistent cache hit' if c.persistent_cache_hit else 'compiled'} "
+        f"({c.seconds:.2f} s)" for c in self.compiles) or "no compilations"
