@@ -67,7 +67,8 @@ def _plumbing_without_xla_optimizations(request):
 # nothing (pytest-dev/pytest-xdist#1386): tests would be spread one by one, module fixtures run
 # on both workers and in-file order lost.
 # Worker-seconds per file measured in a full run (2 workers on 2 busy cores, fresh compilation
-# cache, 2026-12); a file not listed counts DEFAULT_SECONDS per test. Only the order depends on them.
+# cache, 2026-12). Only the order depends on them; files not listed go first (they may be long:
+# started early, a short one costs nothing, a long one cannot end last).
 SECONDS = {
     "test_precision_side_buffer.py": 520, "test_train.py": 340, "test_recovery_gap.py": 175,
     "test_faults.py": 110, "test_reliability_preemption.py": 105, "test_notebooks.py": 105,
@@ -77,9 +78,12 @@ SECONDS = {
     "test_ecosystem_jax.py": 50, "test_reliability_config.py": 45, "test_ecosystem_optax.py": 45,
     "test_precision_paths.py": 40, "test_precision_packing.py": 35, "test_ecosystem_flax.py": 35,
     "test_reliability_checkpoints.py": 30, "test_selection.py": 30, "test_experiments.py": 25,
-    "test_controller.py": 25, "test_data_shakespeare.py": 20, "test_compile_guard.py": 16,
+    "test_controller.py": 25, "test_data_shakespeare.py": 20, "test_sharding.py": 20,
+    "test_compile_guard.py": 16, "test_data_tfds_mock.py": 14, "test_threshold_sweep.py": 14,
+    "test_precision_stress.py": 11, "test_experiments_lora.py": 10, "test_baselines.py": 7,
+    "test_model_configs.py": 3, "test_works_with_table.py": 1, "test_configs.py": 1,
+    "test_data_units.py": 1, "test_precision_backend.py": 1,
 }
-DEFAULT_SECONDS = 0.3
 
 
 def pytest_collection_modifyitems(config, items):
@@ -88,5 +92,5 @@ def pytest_collection_modifyitems(config, items):
   files = {}
   for item in items:
     files.setdefault(os.path.basename(item.nodeid.split("::")[0]), []).append(item)
-  seconds = lambda f: SECONDS.get(f, DEFAULT_SECONDS * len(files[f]))
-  items[:] = [item for f in sorted(files, key=lambda f: -seconds(f)) for item in files[f]]
+  order = sorted(files, key=lambda f: -SECONDS.get(f, float("inf")))  # stable: ties keep order
+  items[:] = [item for f in order for item in files[f]]
