@@ -20,8 +20,9 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(BIN)/python train.py --config=$(CONFIG) --workdir=$(WORKDIR)
 
+# Two workers, one file each at a time, longest files first (tests/conftest.py: SECONDS).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=15 tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/controller_overhead.py

@@ -1,4 +1,6 @@
-"""Test-wide setup: 8 simulated CPU devices for the sharding tests (set before jax is imported)."""
+"""Test-wide setup: 8 simulated CPU devices for the sharding tests (set before jax is imported),
+one persistent compilation cache, the prepared corpus and one trained run per worker, and the
+`plumbing` marker (no XLA optimizations)."""
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -33,3 +35,62 @@ def data_dirs(tmp_path_factory, corpus_sdist):
   """(a TFDS data dir prepared once per test worker, the sdist path) for data configs; the
   prepared token caches are read-only afterwards, keyed by the fields that change them."""
   return str(tmp_path_factory.mktemp("tfds")), corpus_sdist
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, data_dirs):
+  """train_helpers.TinyRun(config, data, workdir, summary): one 8-step run of
+  train_helpers.tiny_run_config (checkpoints at 4, 6, 8), trained once per test worker without XLA
+  optimizations, for plumbing tests that read it. Read only: copy the workdir to resume it."""
+  import train_helpers  # pylint: disable=g-import-not-at-top
+  return train_helpers.train_tiny_run(data_dirs, str(tmp_path_factory.mktemp("tiny_run") / "run"))
+
+
+@pytest.fixture(autouse=True)
+def _plumbing_without_xla_optimizations(request):
+  """Tests marked `plumbing` run without XLA optimizations, subprocesses included
+  (train_helpers.xla_optimizations). Module- or session-scoped fixtures that compile for them
+  set it themselves (they are set up before this fixture)."""
+  if request.node.get_closest_marker("plumbing") is None:
+    yield
+    return
+  import train_helpers  # pylint: disable=g-import-not-at-top
+  with train_helpers.xla_optimizations(False):
+    yield
+
+
+# --- scheduling over xdist workers (`make test`: --dist loadfile --no-loadscope-reorder) --------
+# Each file runs on one worker (its module fixtures and in-file order kept); files go out longest
+# first, so the last ones to start are short and the two workers end together. (xdist's default
+# order is by number of tests, which sent the long single-test files last.) --dist loadgroup with
+# xdist_group marks would split files, but with pytest 9.2 and xdist 3.8 it silently groups
+# nothing (pytest-dev/pytest-xdist#1386): tests would be spread one by one, module fixtures run
+# on both workers and in-file order lost.
+# Worker-seconds per file measured in a full run (2 workers on 2 busy cores, fresh compilation
+# cache, 2026-12). Only the order depends on them; files not listed go first (they may be long:
+# started early, a short one costs nothing, a long one cannot end last).
+SECONDS = {
+    "test_precision_side_buffer.py": 520, "test_train.py": 340, "test_recovery_gap.py": 175,
+    "test_faults.py": 110, "test_reliability_preemption.py": 105, "test_notebooks.py": 105,
+    "test_multiprocess.py": 100, "test_doctests.py": 85, "test_benchmark_scripts.py": 80,
+    "test_nnx_routing.py": 80, "test_precision_explicit_sharding.py": 65,
+    "test_controller_api.py": 65, "test_model.py": 60, "test_precision_routing.py": 55,
+    "test_ecosystem_jax.py": 50, "test_reliability_config.py": 45, "test_ecosystem_optax.py": 45,
+    "test_precision_paths.py": 40, "test_precision_packing.py": 35, "test_ecosystem_flax.py": 35,
+    "test_reliability_checkpoints.py": 30, "test_selection.py": 30, "test_experiments.py": 25,
+    "test_controller.py": 25, "test_data_shakespeare.py": 20, "test_sharding.py": 20,
+    "test_compile_guard.py": 16, "test_data_tfds_mock.py": 14, "test_threshold_sweep.py": 14,
+    "test_precision_stress.py": 11, "test_experiments_lora.py": 10, "test_baselines.py": 7,
+    "test_model_configs.py": 3, "test_works_with_table.py": 1, "test_configs.py": 1,
+    "test_data_units.py": 1, "test_precision_backend.py": 1,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  if not hasattr(config, "workerinput"):  # only in xdist workers: plain runs keep their order
+    return
+  files = {}
+  for item in items:
+    files.setdefault(os.path.basename(item.nodeid.split("::")[0]), []).append(item)
+  order = sorted(files, key=lambda f: -SECONDS.get(f, float("inf")))  # stable: ties keep order
+  items[:] = [item for f in order for item in files[f]]

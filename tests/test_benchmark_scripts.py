@@ -20,6 +20,9 @@ def _run(*args):
   return out.stdout
 
 
+# Smoke tests: the scripts run and print; no compiled program's speed, memory or value is
+# asserted here, so plumbing (no XLA optimizations, conftest.py); the GPU session runs them as is.
+@pytest.mark.plumbing
 @pytest.mark.parametrize('args,expect', [
     (('benchmarks/model_step.py', '--model', 'tiny', '--batch', '2', '--seq', '32',
       '--paths', 'int8', '--compile_only'), ('int8 | routed |', 'model_routed_empty_over_static')),

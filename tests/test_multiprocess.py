@@ -18,6 +18,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
 import tiny  # noqa: E402  pylint: disable=g-import-not-at-top
 
+# Two processes against one: plumbing (the same numbers exactly, in one setting), run without XLA
+# optimizations, train.py included (conftest.py).
+pytestmark = pytest.mark.plumbing
+
 STEPS = 6
 
 

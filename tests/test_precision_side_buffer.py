@@ -392,6 +392,7 @@ def test_attach_returns_its_input_bit_for_bit():
                                 np.asarray(y).view(np.uint32))
 
 
+@pytest.mark.plumbing  # counts dropped recoveries; no XLA optimizations
 def test_the_pipeline_reports_recoveries_beyond_the_buffer(tmp_path, data_dirs):
   """A chain whose controller recovers more units than the config's buffer holds (a
   make_tx override): the run summary counts the recoveries that ran low-cost."""

@@ -6,6 +6,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from gnmr_jax import metrics_log, recovery_gap, train_loop
 from gnmr_jax.data import make_data
@@ -163,6 +164,7 @@ def test_train_step_logs_the_gap_against_an_independent_recovery_gradient(tmp_pa
   assert 0 < rows[0]["concentration"] <= 1 and 0 <= rows[0]["coverage"] <= 1
 
 
+@pytest.mark.plumbing  # exact resume: all three runs without XLA optimizations
 def test_gap_priority_run_resumes_bit_for_bit(tmp_path, data_dirs):
   config = _gap_config(data_dirs, **{"precision.mode": "gnmr", "gnmr.priority": "gap",
                                      "diagnostics.recovery_gap_pass": "swapped",

@@ -4,7 +4,6 @@ checkpoint of another config or model/optimizer shape is refused naming the mism
 import json
 import os
 import shutil
-import sys
 
 import jax
 import numpy as np
@@ -12,42 +11,18 @@ import optax
 import pytest
 
 from gnmr_jax import checkpointing, train_loop
-from gnmr_jax.data import make_data
 from gnmr_jax.optim import controller_from_config
+from tests.train_helpers import tiny_run_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "configs"))
-import tiny  # noqa: E402  pylint: disable=g-import-not-at-top
-
-
-
-def small_config(data_config, **overrides):
-  config = tiny.get_config("runlocal")
-  config.data = data_config
-  config.logging.plots = False
-  config.logging.tensorboard = False
-  config.mesh.fsdp = 1
-  config.mesh.data = -1
-  config.train.steps = 6
-  config.train.eval_every = 0
-  config.checkpoint.every_steps = 2
-  config.checkpoint.max_to_keep = 3
-  for key, value in overrides.items():
-    group, field = key.split(".")
-    config[group][field] = value
-  return config
+# Resume, refusal and fault detection: plumbing, run without XLA optimizations (conftest.py), as
+# the shared run they resume was.
+pytestmark = pytest.mark.plumbing
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, data_dirs):
-  """One 6-step run with checkpoints at 2, 4, 6, and its final state."""
-  config = tiny.get_config("runlocal")
-  config.data.data_dir, config.data.sdist_path = data_dirs
-  data = make_data(config.data)
-  config = small_config(config.data)
-  workdir = str(tmp_path_factory.mktemp("run") / "a")
-  summary = train_loop.train_and_evaluate(config, workdir, data=data, devices=jax.devices()[:1])
-  assert summary["step"] == 6 and summary["resumed_from_step"] == 0
+def trained(tiny_run):
+  """The shared 8-step run (conftest.tiny_run: checkpoints at 4, 6, 8) and its final state."""
+  config, data, workdir, summary = tiny_run
   step, state, _ = restore(workdir, config, data)
   return config, data, workdir, step, state, summary
 
@@ -85,23 +60,23 @@ def test_truncated_latest_checkpoint_falls_back_and_resumes_exactly(trained, tmp
                                                                     record_property):
   config, data, _, _, final_state, first = trained
   workdir = copy_run(trained, tmp_path, "truncated")
-  path = largest_state_file(workdir, 6)
+  path = largest_state_file(workdir, 8)
   with open(path, "r+b") as f:
     f.truncate(os.path.getsize(path) // 2)
   with caplog.at_level("WARNING"):
     summary = train_loop.train_and_evaluate(config, workdir, data=data,
                                             devices=jax.devices()[:1])
-  # Detected and reported (log, summary), moved aside, and the run went on from step 4.
-  assert summary["resumed_from_step"] == 4 and summary["step"] == 6
-  assert [s for s, _ in summary["corrupted_checkpoints"]] == [6]
-  assert "step 6" in caplog.text and "corrupted" in caplog.text
-  assert os.listdir(os.path.join(workdir, checkpointing.CORRUPTED_DIR))[0].startswith("6-")
-  assert "corrupted checkpoint      step 6 skipped" in train_loop.format_summary(summary)
-  # Redoing steps 5 and 6 from step 4 gives the unbroken run's final state and eval loss,
-  # exactly: the step-4 checkpoint restores state and data position bit for bit and the
+  # Detected and reported (log, summary), moved aside, and the run went on from step 6.
+  assert summary["resumed_from_step"] == 6 and summary["step"] == 8
+  assert [s for s, _ in summary["corrupted_checkpoints"]] == [8]
+  assert "step 8" in caplog.text and "corrupted" in caplog.text
+  assert os.listdir(os.path.join(workdir, checkpointing.CORRUPTED_DIR))[0].startswith("8-")
+  assert "corrupted checkpoint      step 8 skipped" in train_loop.format_summary(summary)
+  # Redoing steps 7 and 8 from step 6 gives the unbroken run's final state and eval loss,
+  # exactly: the step-6 checkpoint restores state and data position bit for bit and the
   # same compiled steps run on them.
   step, state, _ = restore(workdir, config, data)
-  assert step == 6 and summary["eval_loss"] == first["eval_loss"]
+  assert step == 8 and summary["eval_loss"] == first["eval_loss"]
   jax.tree.map(np.testing.assert_array_equal, state, final_state)
   record_property("faults_injected", 1)
   record_property("faults_detected", len(summary["corrupted_checkpoints"]))
@@ -111,23 +86,23 @@ def test_truncated_latest_checkpoint_falls_back_and_resumes_exactly(trained, tmp
 def test_flipped_bytes_and_bad_checksums_are_detected(trained, tmp_path, record_property):
   config, data, _, _, _, _ = trained
   flipped = copy_run(trained, tmp_path, "flipped")
-  path = largest_state_file(flipped, 6)
+  path = largest_state_file(flipped, 8)
   raw = bytearray(open(path, "rb").read())
   middle = len(raw) // 2
   raw[middle:middle + 64] = bytes(b ^ 0x5A for b in raw[middle:middle + 64])
   open(path, "wb").write(bytes(raw))
   step, _, (_, corrupted) = restore(flipped, config, data)
-  assert step == 4 and [s for s, _ in corrupted] == [6]
+  assert step == 6 and [s for s, _ in corrupted] == [8]
   # The bits restored fine but do not match what was saved: only the checksum can tell.
   tampered = copy_run(trained, tmp_path, "tampered")
-  meta_path = os.path.join(tampered, "checkpoints", "6", "meta", "metadata")
+  meta_path = os.path.join(tampered, "checkpoints", "8", "meta", "metadata")
   meta = json.load(open(meta_path))
   meta["checksum"][3] = (meta["checksum"][3] + 1) % 2**32
   json.dump(meta, open(meta_path, "w"))
   step, _, (_, corrupted) = restore(tampered, config, data)
-  assert step == 4 and "do not match their checksum" in corrupted[0][1]
+  assert step == 6 and "do not match their checksum" in corrupted[0][1]
   # Every checkpoint broken: a clear error, not a silent fresh start.
-  for s in (2, 4):
+  for s in (4, 6):
     open(os.path.join(tampered, "checkpoints", str(s), "meta", "metadata"), "w").write("{")
   with pytest.raises(ValueError, match="no intact checkpoint"):
     restore(tampered, config, data)
@@ -137,7 +112,7 @@ def test_flipped_bytes_and_bad_checksums_are_detected(trained, tmp_path, record_
 
 def test_checkpoint_of_another_config_or_shape_is_refused(trained, record_property):
   config, data, workdir, _, _, _ = trained
-  other = small_config(config.data, **{"model.num_layers": 3})
+  other = tiny_run_config(config.data, **{"model.num_layers": 3})
   with pytest.raises(ValueError, match=r"model.num_layers: checkpoint has 2, config has 3"):
     restore(workdir, config, data, fingerprint_config=other)
   # Same config fields, but an optimizer whose state has another structure (e.g. a baseline

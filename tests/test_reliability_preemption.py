@@ -20,6 +20,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "configs"))
 import tiny  # noqa: E402  pylint: disable=g-import-not-at-top
 
+# SIGTERM, SIGKILL, restart and exact resume: plumbing, run without XLA optimizations, train.py
+# included (conftest.py).
+pytestmark = pytest.mark.plumbing
+
 STEPS = 120  # long enough (a few seconds) to be interrupted mid-run
 FLAGS = (f"--config.train.steps={STEPS}", "--config.train.eval_every=0",
          "--config.checkpoint.every_steps=10", "--config.logging.log_every=1",

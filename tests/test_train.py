@@ -28,6 +28,7 @@ def run_train_py(workdir, data_dirs, *flags):
   return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
 
 
+@pytest.mark.plumbing  # train.py's logs, resume and refusals; no XLA optimizations
 def test_train_py_end_to_end_resume_and_refusal(tmp_path, data_dirs):
   workdir = str(tmp_path / "run")
   out = run_train_py(workdir, data_dirs, "--config.train.steps=6", "--config.gnmr.max_o=3")
@@ -73,12 +74,11 @@ def _state_arrays(workdir, config, data):
   return step, jax.tree.map(np.asarray, state), data_state
 
 
-def test_resume_continues_bit_for_bit(tmp_path, data_dirs):
-  config = small_config(data_dirs, **{"train.steps": 8, "logging.log_every": 1,
-                                      "checkpoint.every_steps": 0, "train.eval_every": 0})
-  data = make_data(config.data)
-  one = train_loop.train_and_evaluate(config, str(tmp_path / "a"), data=data,
-                                      devices=jax.devices()[:1])
+@pytest.mark.plumbing  # both runs without XLA optimizations
+def test_resume_continues_bit_for_bit(tmp_path, tiny_run):
+  # The uninterrupted run "a" is the shared 8-step run (conftest.tiny_run, every step logged);
+  # "b" is the same config stopped after step 3 and resumed.
+  config, data, workdir_a, one = tiny_run
   first = train_loop.train_and_evaluate(config, str(tmp_path / "b"), data=data,
                                         devices=jax.devices()[:1], stop_at=3)
   assert first["preempted"] and first["step"] == 3
@@ -89,8 +89,8 @@ def test_resume_continues_bit_for_bit(tmp_path, data_dirs):
   assert two["step"] == 8 and one["eval_loss"] == two["eval_loss"]
   losses = lambda w: [r["loss"] for r in metrics_log.read_jsonl(
       os.path.join(w, metrics_log.METRICS_FILE))]
-  assert losses(tmp_path / "a") == losses(tmp_path / "b") and len(losses(tmp_path / "a")) == 8
-  sa, a, da = _state_arrays(str(tmp_path / "a"), config, data)
+  assert losses(workdir_a) == losses(tmp_path / "b") and len(losses(workdir_a)) == 8
+  sa, a, da = _state_arrays(workdir_a, config, data)
   sb, b, db = _state_arrays(str(tmp_path / "b"), config, data)
   assert sa == sb == 8 and da == db
   jax.tree.map(np.testing.assert_array_equal, a, b)
