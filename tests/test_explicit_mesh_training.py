@@ -341,6 +341,7 @@ def restore_newest(workdir, config, data, mesh=None):
   return step, jax.tree.map(np.asarray, state), [x.sharding for x in jax.tree.leaves(state)]
 
 
+@pytest.mark.plumbing  # restore and resume: both sides of each comparison without XLA optimizations
 def test_checkpoints_restore_across_axis_types_and_resume_exactly(tmp_path, data_dirs, data):
   """A checkpoint written under auto axes restores under explicit ones and the other way
   round, bit for bit, into the other run's shardings; a run resumed under explicit axes
@@ -395,6 +396,7 @@ def run_train_py(workdir, data_dirs, *flags):
   return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
 
 
+@pytest.mark.plumbing  # train.py's runs, resume and refusals; no XLA optimizations
 def test_train_py_on_an_explicit_mesh_trains_resumes_and_names_bad_meshes(tmp_path, data_dirs):
   workdir = str(tmp_path / 'run')
   mesh_flags = ('--config.mesh.axis_types=explicit', '--config.mesh.data=2',
