@@ -22,6 +22,7 @@ from gnmr_jax.model_configs import model_config, validate_model_config
 from gnmr_jax.sharding import MESH_FIELDS, default_mesh_config, mesh_axis_types, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
 from gnmr_jax.control.priorities import GAP_PRIORITIES, PRIORITIES
+from gnmr_jax.optim import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "zero", "none")
 GAP_PASSES = ("swapped", "recovery", "uniform")
@@ -144,6 +145,10 @@ def base_config(model: str = "tiny") -> ml_collections.ConfigDict:
   config.optimizer.warmup_steps = 50
   # Final learning rate as a fraction of the peak.
   config.optimizer.min_lr_ratio = 0.1
+  # After the warmup: 'cosine' decay, or 'wsd' (warmup-stable-decay: the peak, then a linear
+  # decay over the last decay_fraction of the steps).
+  config.optimizer.schedule = "cosine"
+  config.optimizer.decay_fraction = 0.2
   # AdamW decoupled weight decay.
   config.optimizer.weight_decay = 0.1
   config.optimizer.b1 = 0.9
@@ -277,6 +282,11 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   _float(o, "optimizer", "learning_rate")
   _int(o, "optimizer", "warmup_steps", 0)
   _float(o, "optimizer", "min_lr_ratio", 0.0, inclusive=True, maximum=1.0)
+  if "schedule" in o:
+    if o.schedule not in SCHEDULES:
+      raise ValueError(f"config.optimizer.schedule must be one of {list(SCHEDULES)}, "
+                       f"got {o.schedule!r}.")
+    _float(o, "optimizer", "decay_fraction", 0.0, maximum=1.0)
   _float(o, "optimizer", "weight_decay", 0.0, inclusive=True)
   _float(o, "optimizer", "b1", 0.0, inclusive=True, maximum=1.0)
   _float(o, "optimizer", "b2", 0.0, inclusive=True, maximum=1.0)

@@ -13,12 +13,30 @@ from gnmr_jax import control
 from gnmr_jax.control import units as units_lib
 
 
+SCHEDULES = ("cosine", "wsd")
+
+
 def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
-  """Linear warmup to the peak, then cosine decay to min_lr_ratio * peak at total_steps."""
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=opt.learning_rate, warmup_steps=opt.warmup_steps,
-      decay_steps=max(total_steps, opt.warmup_steps + 1),
-      end_value=opt.learning_rate * opt.min_lr_ratio)
+  """Linear warmup to the peak, then (``opt.schedule``):
+
+  'cosine'  cosine decay to min_lr_ratio * peak at total_steps (the default);
+  'wsd'     warmup-stable-decay: the peak until the last ``opt.decay_fraction`` of the steps
+            (rounded, at least one), then linear decay to min_lr_ratio * peak at total_steps.
+  """
+  kind = opt.get("schedule", "cosine")  # configs written before the field: cosine
+  peak, end = opt.learning_rate, opt.learning_rate * opt.min_lr_ratio
+  if kind == "cosine":
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=peak, warmup_steps=opt.warmup_steps,
+        decay_steps=max(total_steps, opt.warmup_steps + 1), end_value=end)
+  if kind != "wsd":
+    raise ValueError(f"config.optimizer.schedule must be one of {list(SCHEDULES)}, got {kind!r}.")
+  decay = max(1, round(total_steps * opt.decay_fraction))
+  stable_end = max(total_steps - decay, opt.warmup_steps)
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, peak, max(opt.warmup_steps, 1)), optax.constant_schedule(peak),
+       optax.linear_schedule(peak, end, max(total_steps - stable_end, 1))],
+      boundaries=[opt.warmup_steps, stable_end])
 
 
 # Moved to gnmr_jax.control.from_config; the old name keeps working.
