@@ -45,7 +45,17 @@ GAP = {"recovery_gap_every": 50, "recovery_gap_start": 0, "recovery_gap_pass": "
        "recovery_gap_split": True}
 
 
-REGIMES = ("default", "nvfp4", "mxfp8")
+REGIMES = ("default", "nvfp4", "mxfp8", "wsd8")
+# wsd8: issue 22's first-measurement setting (the quick probe's): 8 layers, 400 steps,
+# warmup-stable-decay (linear decay over the last 20%); NVFP4 (RTN forward, SR gradients) is the
+# low-cost path, 'static_mxfp8' the MXFP8 one; static_low also measures the gap every
+# PREFLIGHT_EVERY steps (the pre-flight: pi_u traces; measuring leaves the trajectory as it is).
+WSD8 = {"layers": 8, "steps": 400, "decay_fraction": 0.2}
+PREFLIGHT_EVERY = 10
+# The static recipes at ~12.5% of unit-steps in wsd8: the last of 8 layers (7 of 56 units) for
+# the whole run, or every unit from step 351 (50 of 400 steps).
+STATIC_RECIPES = {"last_blocks": {"priority": "last_blocks", "last_blocks": 1, "max_o": 7},
+                  "late_switch": {"priority": "late_switch", "switch_step": 351, "max_o": 56}}
 
 
 def base_config(regime: str):
@@ -57,9 +67,15 @@ def base_config(regime: str):
   else:
     from experiments import scenario1_saved_activation as scenario1  # pylint: disable=g-import-not-at-top
     config = scenario1.base("cpu")
-    config.precision.update(mode="gnmr", low_cost_path=regime, recovery_path="bf16")
+    path = "nvfp4" if regime == "wsd8" else regime
+    config.precision.update(mode="gnmr", low_cost_path=path, recovery_path="bf16")
     config.gnmr.priority = "norm"
     config.logging.unit_log_every = 0
+    if regime == "wsd8":
+      config.gnmr.max_o = 7  # the static recipes' spend (12.5% of unit-steps) as the cap
+      config.model.num_layers = WSD8["layers"]
+      config.train.steps, config.train.eval_every = WSD8["steps"], 100
+      config.optimizer.update(schedule="wsd", decay_fraction=WSD8["decay_fraction"])
   config.logging.progress_bar = False
   config.logging.plots = False
   config.logging.tensorboard = False
@@ -74,14 +90,22 @@ def arm_config(regime: str, arm: str, seed: int):
     config.train.init_perturbation = PERTURBATION
   if arm == "static_low":
     config.precision.mode = "static"
+    if regime == "wsd8":  # the pre-flight's measurements
+      config.diagnostics.update(GAP, recovery_gap_every=PREFLIGHT_EVERY)
+      config.logging.unit_log_every = PREFLIGHT_EVERY
   elif arm == "static_rec":
     config.precision.mode = "static"
     config.precision.low_cost_path = config.precision.recovery_path
+  elif arm == "static_mxfp8" and regime == "wsd8":
+    config.precision.update(mode="static", low_cost_path="mxfp8")
   elif arm == "noise":
     config.gnmr.update(NOISE)
     config.diagnostics.update(GAP)
+  elif arm in STATIC_RECIPES and regime == "wsd8":
+    config.gnmr.update(STATIC_RECIPES[arm])
   elif arm != "norm":
-    raise SystemExit(f"unknown arm {arm!r}; valid: {list(ARMS)} (+ '_perturb')")
+    raise SystemExit(f"unknown arm {arm!r}; valid: {list(ARMS)} (+ '_perturb'; wsd8 also "
+                     f"'static_mxfp8', {list(STATIC_RECIPES)})")
   config.train.seed = config.data.seed = seed
   return config
 
@@ -102,7 +126,11 @@ def run_one(regime, arm, seed, data=None):
   t0 = time.time()
   summary = train_loop.train_and_evaluate(config, workdir, data=data)
   routed = config.precision.mode == "gnmr"
+  from gnmr_jax import metrics_log  # pylint: disable=g-import-not-at-top
+  curve = [[r["step"], r["eval_loss"]] for r in metrics_log.read_jsonl(
+      os.path.join(workdir, metrics_log.EVAL_FILE))]
   out = {"regime": regime, "arm": arm, "seed": seed, "eval_loss": summary["eval_loss"],
+         "eval_curve": curve,
          "recovered_unit_steps_pct": summary.get("recovered_unit_steps_pct", 0.0) if routed
          else 0.0, "tokens_per_s": summary["tokens_per_s"], "wall_seconds": time.time() - t0,
          "steps": summary["step"], "date": time.strftime("%Y-%m-%d"),
@@ -190,15 +218,105 @@ def section() -> str:
   return "\n".join(lines)
 
 
+def _spearman(a, b):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+  if np.std(ra) == 0 or np.std(rb) == 0:
+    return float("nan")
+  return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def preflight(regime, seed, top=7, decay=0.5, upper=1 / 3):
+  """The pre-flight of issue 23 from the static low-cost run's measurements (its
+  recovery_gap.jsonl: the 'uniform' pass with split halves every PREFLIGHT_EVERY steps):
+  pi_u = EMA(e_u^2) / EMA(||g_rec,u||^2) (the 'noise' priority's estimate, `decay` = gap_decay)
+  per measurement; its spread over units, how many units are above `upper`, the Jaccard of the
+  top-`top` set by pi early (first quarter of the measurements) vs late (last quarter), whether
+  pi at one measurement ranks the units' gap at the next (Spearman), and per training phase
+  (warmup, stable, decay) the median over units of the raw fraction e^2 / ||g_rec||^2 and of the
+  sampling noise of the half batches against the signal (sampling_sq / signal_sq). Writes
+  experiments/results/noise_fraction/preflight/<regime>/seed<k>.json."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import metrics_log  # pylint: disable=g-import-not-at-top
+  config = arm_config(regime, "static_low", seed)
+  workdir = common.run_dir("noise_fraction", regime, "static_low", seed)
+  rows = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.GAP_FILE))
+  if not rows:
+    raise SystemExit(f"no measurements in {workdir}: run `--regimes {regime} --arms static_low`")
+  with open(os.path.join(workdir, metrics_log.UNIT_NAMES_FILE), encoding="utf-8") as f:
+    names = json.load(f)
+  steps = np.array([r["step"] for r in rows])
+  e = np.array([r["gap"] for r in rows], np.float64)
+  rel = np.array([r["gap_rel"] for r in rows], np.float64)
+  rec = np.where(rel > 0, e / np.where(rel > 0, rel, 1.0), 0.0)
+  signal = np.array([r["signal_sq"] for r in rows], np.float64)
+  sampling = np.array([r["sampling_sq"] for r in rows], np.float64)
+  num, ema_e, ema_r = np.zeros_like(e), np.zeros(e.shape[1]), np.zeros(e.shape[1])
+  for i in range(len(rows)):  # the priority's EMAs (first measurement: its own value)
+    w = decay if i else 0.0
+    ema_e, ema_r = w * ema_e + (1 - w) * e[i] ** 2, w * ema_r + (1 - w) * rec[i] ** 2
+    num[i] = ema_e / np.maximum(ema_r, 1e-30)
+  q = max(len(rows) // 4, 1)
+  early, late = set(np.argsort(-num[:q].mean(0))[:top]), set(np.argsort(-num[-q:].mean(0))[:top])
+  tops = [set(np.argsort(-p)[:top]) for p in num]
+  steps_total = config.train.steps
+  decay_from = steps_total - max(1, round(steps_total * config.optimizer.get("decay_fraction",
+                                                                               0.2)))
+  phases = {"warmup": steps <= config.optimizer.warmup_steps,
+            "stable": (steps > config.optimizer.warmup_steps) & (steps <= decay_from),
+            "decay": steps > decay_from}
+  raw = e ** 2 / np.maximum(rec ** 2, 1e-30)
+  ratio = sampling / np.maximum(signal, 1e-30)
+  out = {"regime": regime, "seed": seed, "every": int(steps[1] - steps[0]) if len(steps) > 1
+         else None, "measurements": len(rows), "upper": upper, "top": top,
+         "steps": steps.tolist(),
+         "pi_max": num.max(1).tolist(), "pi_median": np.median(num, 1).tolist(),
+         "pi_min": num.min(1).tolist(),
+         "units_above_upper": (num > upper).sum(1).tolist(),
+         "first_step_above_upper": int(steps[np.argmax((num > upper).any(1))])
+         if (num > upper).any() else None,
+         "jaccard_early_late": len(early & late) / len(early | late),
+         "jaccard_consecutive": float(np.mean([len(a & b) / len(a | b)
+                                               for a, b in zip(tops, tops[1:])])),
+         "top_early": [names[i] for i in sorted(early)], "top_late": [names[i] for i in sorted(late)],
+         "spearman_pi_next_gap": float(np.nanmean([_spearman(num[i], e[i + 1])
+                                                   for i in range(len(rows) - 1)])),
+         "spearman_pi_next_relgap": float(np.nanmean([_spearman(num[i], rel[i + 1])
+                                                      for i in range(len(rows) - 1)])),
+         "phases": {k: {"measurements": int(m.sum()),
+                        "median_raw_fraction": float(np.median(raw[m])) if m.any() else None,
+                        "median_sampling_over_signal": float(np.median(ratio[m])) if m.any()
+                        else None,
+                        "mean_gap_sq_sum": float(np.mean((e[m] ** 2).sum(1))) if m.any()
+                        else None}
+                    for k, m in phases.items()},
+         "unit_names": names, "date": time.strftime("%Y-%m-%d"),
+         "device": common.device_description(), "versions": common.versions()}
+  path = os.path.join(RESULTS, "preflight", regime, f"seed{seed}.json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(out, f, indent=1)
+  print(f"[preflight] {regime} seed{seed}: pi max {max(out['pi_max']):.3g}, units above "
+        f"{upper:.3g} at the end {out['units_above_upper'][-1]}, Jaccard early/late "
+        f"{out['jaccard_early_late']:.2f}, Spearman pi -> next gap "
+        f"{out['spearman_pi_next_gap']:.2f}", flush=True)
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("run", "report"), default="run")
+  parser.add_argument("--part", choices=("run", "report", "preflight"), default="run")
   parser.add_argument("--regimes", default="default")
   parser.add_argument("--arms", default=",".join(ARMS))
   parser.add_argument("--seeds", type=int, default=3)
   args = parser.parse_args(argv)
   if args.part == "report":
     print(section())
+    return
+  if args.part == "preflight":
+    for regime in args.regimes.split(","):
+      for seed in range(args.seeds):
+        preflight(regime, seed)
     return
   common.enable_compilation_cache()
   from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top

@@ -55,6 +55,7 @@ SCENARIO = "selection"
 RESULTS = os.path.join(common.RESULTS_DIR, "selection_cpu.json")
 GAP_EVERY = 10      # measurement period of the 'gap' controller (K)
 HINDSIGHT = r"mlp/down"  # the hindsight static set: mlp/down of every layer
+LATE_SWITCH_STEP = 175  # 'lateswitch': every unit recovered from this step on
 
 if "blockwise4" not in registry.available_paths():
   registry.register_path("blockwise4", lambda config, role: blockwise.blockwise_path(
@@ -97,6 +98,15 @@ CONTROLLERS = {
     # The hindsight static set (every layer's mlp/down: as many units as layers, max_o = 4 for
     # the 4-layer CPU model), the library's 'fixed' priority.
     "hindsight": ({"priority": "fixed", "fixed_units": HINDSIGHT}, 0),
+    # Issue 23's adaptive priority: pi_u = EMA(e_u^2) / EMA(||g_rec,u||^2) from the 'uniform'
+    # pass (split halves), candidates above 1/3 down to 1/6, the paper's alarm at alpha 4 /
+    # beta 3; max_o is a cap, the mask may be empty.
+    "noise": ({"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5}, GAP_EVERY),
+    # NVIDIA's static recipes: the last block (7 units of the 4-layer model) for the whole run,
+    # and every unit from step 175 (a late global switch: 26 of 200 steps, ~13% of unit-steps,
+    # the spend of 'norm' at max_o 4).
+    "lastblocks": ({"priority": "last_blocks", "last_blocks": 1, "max_o": 7}, 0),
+    "lateswitch": ({"priority": "late_switch", "switch_step": LATE_SWITCH_STEP, "max_o": 28}, 0),
 }
 STATIC_ARMS = ("static_low", "static_rec")
 MAX_O_SWEEP = (2, 8)
@@ -109,7 +119,8 @@ def base_config(steps=0):
 
 
 PERTURBATION = 1e-7  # relative init perturbation of the '_perturb' arms (the noise floor)
-GAP_PASS = {"gaprec": "recovery", "relgap": "recovery", "gapuni": "uniform"}  # else 'swapped'
+GAP_PASS = {"gaprec": "recovery", "relgap": "recovery", "gapuni": "uniform",
+            "noise": "uniform"}  # else 'swapped'
 
 
 def arm_config(regime, arm, seed, steps=0):
@@ -140,6 +151,7 @@ def arm_config(regime, arm, seed, steps=0):
     config.gnmr.update(overrides)
     config.diagnostics.recovery_gap_every = int(every) if every else gap_every
     config.diagnostics.recovery_gap_pass = GAP_PASS.get(name, "swapped")
+    config.diagnostics.recovery_gap_split = name == "noise"
     if max_o:
       config.gnmr.max_o = int(max_o)
     if t_lock:
@@ -273,6 +285,8 @@ def quality_run(regime, seed, steps, data):
   replays = dict(CONTROLLERS)
   replays["hybrid_default_thresholds"] = ({"priority": "hybrid"}, 0)
   del replays["hindsight"], replays["gaprec"]  # static run: both measuring passes are the same
+  for name in ("noise", "lastblocks", "lateswitch"):  # e2e only (static sets; split halves)
+    del replays[name]
   replays["gap_every50"] = (CONTROLLERS["gap"][0], 50)
   replays["relgap_every50"] = (CONTROLLERS["relgap"][0], 50)
   for name, (overrides, gap_every) in replays.items():
