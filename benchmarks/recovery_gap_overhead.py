@@ -22,6 +22,7 @@ its 4-bit per-tensor saved-activation regime (routed, recovery 8-bit), or --mode
 the default 'recovery' measuring pass (every projection on the recovery path).
 
 Usage: python benchmarks/recovery_gap_overhead.py [--every 50,10] [--rounds 12] [--block 50]
+       [--priority noise]  (the noise priority: the uniform pass, split halves)
 """
 
 import argparse
@@ -39,10 +40,13 @@ from experiments import selection  # pylint: disable=g-import-not-at-top
 from gnmr_jax import sharding, train_loop  # pylint: disable=g-import-not-at-top
 
 
-def build(every: int, model: str):
-  config = selection.arm_config("tensor4", "gap" if every else "norm", seed=0)
+def build(every: int, model: str, priority: str = "gap"):
+  config = selection.arm_config("tensor4", priority if every else "norm", seed=0)
   config.diagnostics.recovery_gap_every = every
-  config.diagnostics.recovery_gap_pass = "recovery"  # the default measuring pass
+  if priority == "gap":
+    config.diagnostics.recovery_gap_pass = "recovery"  # the default measuring pass
+  # 'noise': the 'uniform' pass with split halves (experiments/selection.py's arm): all units
+  # low-cost and all recovered, each gradient as two half-batch passes.
   config.logging.unit_log_every = 0
   if model == "tiny":
     config.model.d_model, config.model.num_layers, config.model.ffn_dim = 64, 2, 128
@@ -60,6 +64,8 @@ def main(argv=None):
   parser.add_argument("--rounds", type=int, default=12)
   parser.add_argument("--block", type=int, default=50, help="steps per timed block")
   parser.add_argument("--model", choices=("scenario", "tiny"), default="scenario")
+  parser.add_argument("--priority", choices=("gap", "noise"), default="gap",
+                      help="'noise': issue 23's priority and its measuring pass")
   parser.add_argument("--pairs", type=int, default=200,
                       help="single-step pairs for the skip branch (a quarter for the measure)")
   args = parser.parse_args(argv)
@@ -69,7 +75,7 @@ def main(argv=None):
     raise SystemExit(f"--every values must be >= 1 and divide --block ({args.block}): {bad}")
   variants = {"norm": build(0, args.model)}
   for k in every:
-    variants[f"gap_{k}"] = build(k, args.model)
+    variants[f"gap_{k}"] = build(k, args.model, args.priority)
   states = {name: v[1] for name, v in variants.items()}
   t0 = time.time()
   for name, (run, _, batch) in variants.items():  # compile + warm up
@@ -91,7 +97,7 @@ def main(argv=None):
         per_step[name].append((time.perf_counter() - start) / args.block)
   print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"jax {jax.__version__}, {args.rounds} interleaved rounds of {args.block} steps, "
-        f"model {args.model}")
+        f"model {args.model}, priority {args.priority}")
   base = statistics.median(per_step["norm"])
   for name, times in per_step.items():
     print(f"{name:10s} median {1e3 * statistics.median(times):8.2f} ms/step  "
