@@ -168,6 +168,53 @@ def _paired(results, a, b):
   return statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5, len(diffs)
 
 
+def _static_gap(results, low):
+  """The static gap of `low` against static_rec: final and at every evaluation (its growth)."""
+  seeds = sorted(set(results.get(low, {})) & set(results.get("static_rec", {})))
+  if len(seeds) < 2:
+    return []
+  gaps = [results[low][k]["eval_loss"] - results["static_rec"][k]["eval_loss"] for k in seeds]
+  rec_sd = statistics.stdev(results["static_rec"][k]["eval_loss"] for k in seeds)
+  mean = statistics.mean(gaps)
+  out = [f"- static gap ({low} - static_rec, per seed): {mean:+.4f} nats, per-seed "
+         f"{', '.join(f'{g:+.4f}' for g in gaps)}; seed SD of static_rec {rec_sd:.4f}: "
+         f"the gap is {'more' if mean > 3 * rec_sd else 'not more'} than 3 seed SDs"]
+  curves = [(dict(map(tuple, results[low][k].get("eval_curve", []))),
+             dict(map(tuple, results["static_rec"][k].get("eval_curve", [])))) for k in seeds]
+  steps = sorted(set.intersection(*[set(a) & set(b) for a, b in curves])) if curves else []
+  if steps:
+    parts = []
+    for t in steps:
+      d = [a[t] - b[t] for a, b in curves]
+      parts.append(f"step {t}: {statistics.mean(d):+.4f} +- {statistics.stdev(d):.4f}")
+    out.append(f"- its growth over training (mean +- SD over seeds): {'; '.join(parts)}")
+  return out
+
+
+def _preflight_lines(regime):
+  root = os.path.join(RESULTS, "preflight", regime)
+  if not os.path.isdir(root):
+    return []
+  rows = []
+  for name in sorted(os.listdir(root)):
+    with open(os.path.join(root, name), encoding="utf-8") as f:
+      rows.append(json.load(f))
+  out = [f"- pre-flight (static low-cost run, 'uniform' pass with split halves every "
+         f"{rows[0]['every']} steps; pi_u = EMA(e_u^2) / EMA(||g_rec,u||^2), decay 0.5):"]
+  for r in rows:
+    ph = r["phases"]
+    phase = "; ".join(f"{k} median e^2/||g_rec||^2 {v['median_raw_fraction']:.3g}, sampling/"
+                      f"signal {v['median_sampling_over_signal']:.3g}"
+                      for k, v in ph.items() if v["measurements"])
+    out.append(f"  seed {r['seed']}: max pi over units and steps {max(r['pi_max']):.3g} (median "
+               f"unit at the end {r['pi_median'][-1]:.3g}); units above 1/3: "
+               f"{max(r['units_above_upper'])} at most, first at step "
+               f"{r['first_step_above_upper']}; top-{r['top']} Jaccard early vs late "
+               f"{r['jaccard_early_late']:.2f}, consecutive {r['jaccard_consecutive']:.2f}; "
+               f"Spearman(pi_t, e_(t+K)) {r['spearman_pi_next_gap']:.2f}; {phase}")
+  return out
+
+
 def section() -> str:
   """The RESULTS.md section, from the JSONs."""
   lines = ["## Noise fraction (issue 23)", "",
@@ -178,6 +225,7 @@ def section() -> str:
            ""]
   for regime in REGIMES:
     results = load(regime)
+    results.pop("preflight", None)
     if not results:
       lines += [f"Regime `{regime}`: no runs yet.", ""]
       continue
@@ -192,26 +240,25 @@ def section() -> str:
                    f"{statistics.mean(r['recovered_unit_steps_pct'] for r in rows):.2f} | "
                    f"{statistics.mean(r['tokens_per_s'] for r in rows):.0f} |")
     lines.append("")
-    seeds = sorted(set(results.get("static_low", {})) & set(results.get("static_rec", {})))
-    if len(seeds) > 1:
-      gaps = [results["static_low"][k]["eval_loss"] - results["static_rec"][k]["eval_loss"]
-              for k in seeds]
-      rec_sd = statistics.stdev(results["static_rec"][k]["eval_loss"] for k in seeds)
-      mean = statistics.mean(gaps)
-      lines.append(f"- static gap (static_low - static_rec, per seed): {mean:+.4f} nats, per-seed "
-                   f"{', '.join(f'{g:+.4f}' for g in gaps)}; seed SD of static_rec {rec_sd:.4f}: "
-                   f"the gap is {'more' if mean > 3 * rec_sd else 'not more'} than 3 seed SDs")
+    for low in ("static_low", "static_mxfp8"):
+      lines += _static_gap(results, low)
     for a, b in (("noise", "static_low"), ("noise", "norm"), ("norm", "static_low"),
-                 ("static_rec", "static_low")):
+                 ("static_rec", "static_low"), ("last_blocks", "static_low"),
+                 ("late_switch", "static_low"), ("noise", "last_blocks"),
+                 ("noise", "late_switch")):
       paired = _paired(results, a, b)
       if paired:
         lines.append(f"- paired {a} - {b}: {paired[0]:+.4f} +- {paired[1]:.4f} nats (SE, "
                      f"{paired[2]} seeds)")
-    for arm in ARMS:
-      floor = _paired(results, f"{arm}_perturb", arm)
-      if floor:
-        lines.append(f"- noise floor {arm}: perturbed - unperturbed {floor[0]:+.4f} "
-                     f"({floor[2]} seeds)")
+    for arm in sorted(a[:-len("_perturb")] for a in results if a.endswith("_perturb")):
+      seeds = sorted(set(results[f"{arm}_perturb"]) & set(results.get(arm, {})))
+      if seeds:
+        diffs = [results[f"{arm}_perturb"][k]["eval_loss"] - results[arm][k]["eval_loss"]
+                 for k in seeds]
+        lines.append(f"- noise floor {arm} (init x (1 + {PERTURBATION:g} z)): perturbed - "
+                     f"unperturbed per seed {', '.join(f'{d:+.4f}' for d in diffs)}; largest "
+                     f"|difference| {max(abs(d) for d in diffs):.4f} nats")
+    lines += _preflight_lines(regime)
     dates = sorted({r["date"] for rows in results.values() for r in rows.values()})
     devices = sorted({r["device"] for rows in results.values() for r in rows.values()})
     lines += ["", f"Measured {', '.join(dates)} on {', '.join(devices)}.", ""]
