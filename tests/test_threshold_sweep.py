@@ -126,3 +126,28 @@ def test_spike_draws_are_after_warmup_and_leave_a_next_step():
   assert spikes[:, 1].min() == 21 and spikes[:, 1].max() == 39
   assert set(spikes[:, 0]) == set(range(7))
   np.testing.assert_array_equal(spikes, threshold_sweep.draw_spikes(7, 40, 20, 500, 0))
+
+
+@pytest.mark.parametrize("t_lock", [0, 5])
+def test_budgeted_priorities_replay_by_hand(t_lock):
+  """'norm' recovers the max_o largest norms every step after warmup (its budget, spike or not);
+  'noise' with no measured gap recovers nothing on flat norms and only the paper's alarm on a
+  spike: the unit at the spike step, held t_lock more steps."""
+  steps, units, max_o = 60, 5, 2
+  rng = np.random.default_rng(1)
+  scale = np.array([1.0, 5.0, 2.0, 4.0, 3.0])  # 'norm' ranks units 1 and 3 first
+  norms = scale * (1.0 + 0.01 * rng.standard_normal((steps, units)))
+  spikes = np.array([[2, 30]])
+  setting = dict(SETTING, max_o=max_o, t_lock=t_lock)
+  clean = threshold_sweep.replay(norms[None], priority="norm", **setting)["mask"][0]
+  assert not clean[:setting["warmup"]].any()  # the mask chosen at step t <= warmup is empty
+  np.testing.assert_array_equal(np.argwhere(clean[setting["warmup"]:])[:, 1],
+                                np.tile([1, 3], steps - setting["warmup"]))
+  row = threshold_sweep.sweep_setting(norms, spikes, [10.0], {**setting, "priority": "norm"})
+  assert row["recovered_pct"] == pytest.approx(100 * max_o * (steps - 20) / (steps * units))
+  assert row["spikes"][0]["detected"] == 1  # 10 x 2.0 outranks 5.0
+  noise = dict(setting, alpha=4.0, beta=3.0, priority="noise")
+  row = threshold_sweep.sweep_setting(norms, spikes, [10.0], noise)
+  assert row["recovered_pct"] == 0.0 and row["spikes"][0]["latency_1"] == 1
+  masks = threshold_sweep.replay(threshold_sweep.inject(norms, spikes, 10.0), **noise)["mask"]
+  np.testing.assert_array_equal(np.argwhere(masks[0]), [[t, 2] for t in range(29, 30 + t_lock)])
