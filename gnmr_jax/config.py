@@ -21,7 +21,7 @@ from gnmr_jax.model import PROJECTIONS
 from gnmr_jax.model_configs import model_config, validate_model_config
 from gnmr_jax.sharding import MESH_FIELDS, default_mesh_config, mesh_axis_types, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
-from gnmr_jax.control.priorities import GAP_PRIORITIES, PRIORITIES
+from gnmr_jax.control.priorities import GAP_PRIORITIES, NOISE_RANKS, PRIORITIES
 from gnmr_jax.optim import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "zero", "none")
@@ -84,6 +84,9 @@ def gnmr_config() -> ml_collections.ConfigDict:
   # stays one while in the mask down to noise_lower (hysteresis); gap_decay weighs the EMAs.
   c.noise_upper = 1 / 3
   c.noise_lower = 1 / 6
+  # 'noise': candidates beyond the alarm, when more than max_o compete, ranked by 'pi' or by the
+  # gradient-norm level ('norm': pi decides whether a unit is recovered, the norm which).
+  c.noise_rank = "pi"
   return c
 
 
@@ -331,6 +334,9 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     if value and priority != owner:
       raise ValueError(f"config.gnmr.{field}={value!r} is read by priority {owner!r} only; "
                        f"config.gnmr.priority is {priority!r}.")
+  if g.get("noise_rank", "pi") not in NOISE_RANKS:
+    raise ValueError(f"config.gnmr.noise_rank must be one of {list(NOISE_RANKS)}, got "
+                     f"{g.noise_rank!r}.")
   if "noise_upper" in g or "noise_lower" in g:
     _float(g, "gnmr", "noise_upper")
     lower = g.get("noise_lower", 1 / 6)

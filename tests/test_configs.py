@@ -64,3 +64,10 @@ def test_bad_schedule_settings_are_named(field, value, match):
   config.optimizer[field] = value
   with pytest.raises(ValueError, match=match):
     validate_config(config, device_count=1)
+
+
+def test_bad_noise_rank_is_named():
+  config = tiny.get_config()
+  config.gnmr.noise_rank = "gap"
+  with pytest.raises(ValueError, match=r"config.gnmr.noise_rank must be one of \['pi', 'norm'\]"):
+    validate_config(config, device_count=1)

@@ -36,7 +36,7 @@ def _run(norms, gaps, recs, valid, **kwargs):
   return np.asarray(masks), np.asarray(pis), state
 
 
-def _reference(norms, gaps, recs, valid):
+def _reference(norms, gaps, recs, valid, rank="pi"):
   """The rule in float64 NumPy, written from the module docstring."""
   noise, rec, count = np.zeros(N), np.zeros(N), np.zeros(N, int)
   lock, mask = np.zeros(N, int), np.zeros(N, bool)
@@ -53,7 +53,8 @@ def _reference(norms, gaps, recs, valid):
     finite = np.isfinite(norms[t])
     candidate = ~finite | (lock > 0) | (pi > UPPER) | (mask & (pi >= LOWER))
     tier = np.where(~finite, 3, np.where(lock > 0, 1, 0))
-    order = sorted(range(N), key=lambda u: (not candidate[u], -tier[u], -pi[u], u))
+    by = pi if rank == "pi" else np.where(finite, norms[t].astype(np.float64), 0.0)
+    order = sorted(range(N), key=lambda u: (not candidate[u], -tier[u], -by[u], u))
     selected = np.zeros(N, bool)
     if t + 1 > WARMUP:
       for u in [u for u in order if candidate[u]][:MAX_O]:
@@ -94,6 +95,29 @@ def test_noise_priority_follows_the_numpy_reference_and_its_mask_may_be_empty():
   masks, _, state = _run(norms, quiet, recs, valid)
   assert not masks.any()
   assert int(gnmr_jax.controller_state(state).telemetry.active_unit_steps) == 0
+
+
+def test_noise_rank_norm_ranks_the_same_candidates_by_the_norm_level():
+  """noise_rank='norm': the candidates are pi's (the same gate), ranked by the gradient norm."""
+  rng = np.random.default_rng(5)
+  steps = 24
+  recs = rng.uniform(0.5, 2.0, (steps, N)).astype(np.float32)
+  rel = np.array([0.05, 0.2, 0.45, 0.8])[rng.integers(1, 4, (steps, N))]  # crowded: > max_o
+  gaps = (rel * recs).astype(np.float32)
+  valid = np.zeros((steps, N), bool)
+  valid[::3] = True
+  # Distinct norm levels whose order is not pi's: unit 5 largest, then 0, ...
+  norms = np.tile(np.array([5.0, 1.0, 2.0, 0.5, 3.0, 8.0], np.float32), (steps, 1))
+  norms *= rng.uniform(0.9, 1.1, norms.shape).astype(np.float32)
+  masks, _, _ = _run(norms, gaps, recs, valid, noise_rank="norm")
+  want, want_pis = _reference(norms, gaps, recs, valid, rank="norm")
+  margin = np.min(np.abs(want_pis[:, :, None] - np.array([UPPER, LOWER])[None, None]))
+  assert margin > 1e-4
+  np.testing.assert_array_equal(masks, want)
+  by_pi, _ = _reference(norms, gaps, recs, valid, rank="pi")
+  assert (want != by_pi).any()  # the ranking matters in this draw: the check has teeth
+  with pytest.raises(ValueError, match="noise_rank"):
+    gnmr_jax.prioritized("noise", max_o=1, t_lock=0, noise_rank="gap")
 
 
 def test_noise_priority_keeps_the_papers_alarm_and_recovers_nonfinite_units_first():

@@ -35,7 +35,10 @@ by one of these priorities:
             FP4 All the Way's sqrt(3) rule per tensor), stays one while in the mask and
             pi_u >= ``noise_lower`` (hysteresis) or locked, and the paper's alarm (risky
             by alpha_t/beta_t, or non-finite) makes a unit a candidate whatever its pi_u.
-            Candidates only, at most max_o: the mask may be empty.
+            Candidates only, at most max_o: the mask may be empty. Alarmed units rank
+            first (by the paper's score); the others by pi_u, or with
+            ``noise_rank='norm'`` by the gradient-norm level (pi_u then decides whether a
+            unit is recovered, the norm level which).
   'fixed'   a static set: the units whose name matches the ``fixed_units`` regex (at most
             max_o of them) run the recovery path at every step after warmup; no signal,
             no lock. A set chosen in hindsight, or a practitioner's static recipe.
@@ -81,6 +84,7 @@ PRIORITIES = ("gnmr", "norm", "gap", "relgap", "oracle", "hybrid", "random", "fi
               "last_blocks", "late_switch", "noise")
 # Static recipes: a set fixed in advance (and, for 'late_switch', a step), no signal, no lock.
 STATIC_PRIORITIES = ("fixed", "last_blocks", "late_switch")
+NOISE_RANKS = ("pi", "norm")  # 'noise': how candidates beyond the alarm are ranked
 # Priorities that need a measured recovery gap from the train step.
 GAP_PRIORITIES = ("gap", "relgap", "oracle", "noise")
 
@@ -101,7 +105,8 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
                 beta=1.5, delta: int = 8, units=None, layer_axis=None, gap_decay: float = 0.0,
                 seed: int = 0, fixed_units=None, last_blocks: int = 0,
                 switch_step: int = 0, noise_upper: float = 1 / 3,
-                noise_lower: float = 1 / 6) -> optax.GradientTransformationExtraArgs:
+                noise_lower: float = 1 / 6,
+                noise_rank: str = "pi") -> optax.GradientTransformationExtraArgs:
   """A budgeted recovery controller ranking units by ``priority`` (module docstring).
 
   Args:
@@ -123,6 +128,9 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     noise_upper, noise_lower: 'noise' only: a unit becomes a candidate above
       ``noise_upper`` and stays one (while in the mask) down to ``noise_lower``
       (0 <= noise_lower <= noise_upper, finite).
+    noise_rank: 'noise' only: how candidates beyond the paper's alarm are ranked when more
+      than max_o of them compete: 'pi' (by the noise fraction) or 'norm' (by the gradient-norm
+      level, as priority 'norm'): pi then decides whether a unit is recovered, the norm which.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` passing updates through; its
@@ -170,6 +178,9 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     if value and priority != owner:
       raise ValueError(f"prioritized: `{name}` is read by priority {owner!r} only, not by "
                        f"{priority!r}.")
+  if noise_rank not in NOISE_RANKS:
+    raise ValueError(f"prioritized: `noise_rank` must be one of {NOISE_RANKS}, got "
+                     f"{noise_rank!r}.")
   _checks.check_positive("prioritized: `noise_upper`", noise_upper)
   if (isinstance(noise_lower, bool) or not isinstance(noise_lower, (int, float))
       or not 0 <= noise_lower <= noise_upper):
@@ -286,7 +297,8 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
         candidate = (risky | (lock > 0) | (value > noise_upper)
                      | (prev_mask & (value >= noise_lower)))
         tier = jnp.where(risky, 2, tier)
-        value = jnp.where(risky, flat(ctl.score), value)
+        rank_by = value if noise_rank == "pi" else jnp.where(finite, norm, 0.0)
+        value = jnp.where(risky, flat(ctl.score), rank_by)
       if priority != "random":
         tier = jnp.where(finite, tier, 3)
       # lexsort: the last key is the primary one; it is stable, so ties keep tree order.
