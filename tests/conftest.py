@@ -59,6 +59,71 @@ def _plumbing_without_xla_optimizations(request):
     yield
 
 
+# --- where the suite's time goes (GNMR_TEST_COMPILE_REPORT=1) ---------------------------------
+# Sums jax's own duration events (tracing, lowering to MLIR, XLA compilation; a persistent-cache
+# hit replaces the compilation) per test file, in each process that runs tests (xdist workers
+# write one JSON each under .pytest_cache/compile_report; subprocess tests are not counted), and
+# prints the totals at the end of the run. Off by default: it only observes.
+_REPORT = os.environ.get("GNMR_TEST_COMPILE_REPORT", "0") != "0"
+_REPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           ".pytest_cache", "compile_report")
+_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+           "/jax/core/compile/backend_compile_duration": "compile"}
+_current = {"file": None}
+_totals = {}
+
+
+def pytest_configure(config):
+  if not _REPORT:
+    return
+  from jax import monitoring  # pylint: disable=g-import-not-at-top
+
+  def listener(name, secs, **_):
+    kind = _EVENTS.get(name)
+    if kind and _current["file"]:
+      row = _totals.setdefault(_current["file"], {"trace": 0.0, "lower": 0.0, "compile": 0.0})
+      row[kind] += secs
+  monitoring.register_event_duration_secs_listener(listener)
+  if not hasattr(config, "workerinput"):
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(_REPORT_DIR, ignore_errors=True)
+
+
+def pytest_runtest_setup(item):
+  _current["file"] = os.path.basename(item.nodeid.split("::")[0])
+
+
+def pytest_unconfigure(config):
+  if not _REPORT:
+    return
+  import json  # pylint: disable=g-import-not-at-top
+  os.makedirs(_REPORT_DIR, exist_ok=True)
+  name = getattr(config, "workerinput", {}).get("workerid", "main")
+  with open(os.path.join(_REPORT_DIR, f"{name}.json"), "w", encoding="utf-8") as f:
+    json.dump(_totals, f)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+  if not _REPORT or hasattr(config, "workerinput"):
+    return
+  import json  # pylint: disable=g-import-not-at-top
+  merged = {}
+  for fname in sorted(os.listdir(_REPORT_DIR)) if os.path.isdir(_REPORT_DIR) else []:
+    with open(os.path.join(_REPORT_DIR, fname), encoding="utf-8") as f:
+      for test_file, row in json.load(f).items():
+        into = merged.setdefault(test_file, {"trace": 0.0, "lower": 0.0, "compile": 0.0})
+        for k, v in row.items():
+          into[k] += v
+  total = {k: sum(r[k] for r in merged.values()) for k in ("trace", "lower", "compile")}
+  terminalreporter.write_line(
+      f"jax time in test processes: trace {total['trace']:.0f} s, lower {total['lower']:.0f} s, "
+      f"XLA compile {total['compile']:.0f} s (subprocesses not counted)")
+  for test_file, row in sorted(merged.items(), key=lambda kv: -sum(kv[1].values()))[:20]:
+    terminalreporter.write_line(f"  {test_file}: trace {row['trace']:.1f} s, lower "
+                                f"{row['lower']:.1f} s, compile {row['compile']:.1f} s")
+
+
 # --- scheduling over xdist workers (`make test`: --dist loadfile --no-loadscope-reorder) --------
 # Each file runs on one worker (its module fixtures and in-file order kept); files go out longest
 # first, so the last ones to start are short and the two workers end together. (xdist's default
