@@ -17,7 +17,8 @@ Regimes:
 Arms: static_low (every unit int8, no recovery), static_rec (every unit bf16), norm (today's
 default priority), noise ('noise' priority: pi_u against 1/3 and 1/6, the paper's alarm at
 alpha 4 / beta 3, the 'uniform' pass every 50 steps from warmup + 1, split halves), noisenorm
-(the same gate, candidates ranked by the norm level: gnmr.noise_rank='norm').
+(the same gate, candidates ranked by the norm level: gnmr.noise_rank='norm'), noisegate (any
+unit's pi over 1/3 makes every unit a candidate, ranked by the norm level: noise_gate='any').
 
   python experiments/noise_fraction.py --regimes default --seeds 3
   python experiments/noise_fraction.py --part report     # prints the RESULTS.md section
@@ -39,7 +40,7 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 from experiments import common  # noqa: E402  pylint: disable=g-import-not-at-top
 
 RESULTS = os.path.join(common.RESULTS_DIR, "noise_fraction")
-ARMS = ("static_low", "static_rec", "norm", "noise", "noisenorm")
+ARMS = ("static_low", "static_rec", "norm", "noise", "noisenorm", "noisegate")
 PERTURBATION = 1e-7
 NOISE = {"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5}
 GAP = {"recovery_gap_every": 50, "recovery_gap_start": 0, "recovery_gap_pass": "uniform",
@@ -99,8 +100,9 @@ def arm_config(regime: str, arm: str, seed: int):
     config.precision.low_cost_path = config.precision.recovery_path
   elif arm == "static_mxfp8" and regime == "wsd8":
     config.precision.update(mode="static", low_cost_path="mxfp8")
-  elif arm in ("noise", "noisenorm"):  # 'noisenorm': candidates ranked by the norm level
-    config.gnmr.update(NOISE, noise_rank="pi" if arm == "noise" else "norm")
+  elif arm in ("noise", "noisenorm", "noisegate"):  # ranked by the norm level / gate 'any'
+    config.gnmr.update(NOISE, noise_rank="pi" if arm == "noise" else "norm",
+                       noise_gate="any" if arm == "noisegate" else "unit")
     config.diagnostics.update(GAP)
   elif arm in STATIC_RECIPES and regime == "wsd8":
     config.gnmr.update(STATIC_RECIPES[arm])
@@ -244,7 +246,8 @@ def section() -> str:
     for low in ("static_low", "static_mxfp8"):
       lines += _static_gap(results, low)
     for a, b in (("noise", "static_low"), ("noise", "norm"), ("noisenorm", "static_low"),
-                 ("noisenorm", "norm"), ("noisenorm", "noise"), ("norm", "static_low"),
+                 ("noisenorm", "norm"), ("noisenorm", "noise"), ("noisegate", "static_low"),
+                 ("noisegate", "norm"), ("norm", "static_low"),
                  ("static_rec", "static_low"), ("last_blocks", "static_low"),
                  ("late_switch", "static_low"), ("noise", "last_blocks"),
                  ("noise", "late_switch")):

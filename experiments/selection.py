@@ -106,6 +106,11 @@ CONTROLLERS = {
     # than 'norm' on seed 0 at the same spend: pi decides whether, the norm level which).
     "noisenorm": ({"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5,
                    "noise_rank": "norm"}, GAP_EVERY),
+    # Any unit's pi over 1/3 makes every unit a candidate, ranked by the norm level (added after
+    # 'noise' and 'noisenorm' closed none of the gap in tensor4: the units pi flags are not the
+    # ones whose recovery buys loss; pi decides whether to spend, the norm level where).
+    "noisegate": ({"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5,
+                   "noise_rank": "norm", "noise_gate": "any"}, GAP_EVERY),
     # NVIDIA's static recipes: the last block (7 units of the 4-layer model) for the whole run,
     # and every unit from step 175 (a late global switch: 26 of 200 steps, ~13% of unit-steps,
     # the spend of 'norm' at max_o 4).
@@ -124,7 +129,7 @@ def base_config(steps=0):
 
 PERTURBATION = 1e-7  # relative init perturbation of the '_perturb' arms (the noise floor)
 GAP_PASS = {"gaprec": "recovery", "relgap": "recovery", "gapuni": "uniform",
-            "noise": "uniform", "noisenorm": "uniform"}  # else 'swapped'
+            "noise": "uniform", "noisenorm": "uniform", "noisegate": "uniform"}  # else 'swapped'
 
 
 def arm_config(regime, arm, seed, steps=0):
@@ -155,7 +160,7 @@ def arm_config(regime, arm, seed, steps=0):
     config.gnmr.update(overrides)
     config.diagnostics.recovery_gap_every = int(every) if every else gap_every
     config.diagnostics.recovery_gap_pass = GAP_PASS.get(name, "swapped")
-    config.diagnostics.recovery_gap_split = name in ("noise", "noisenorm")
+    config.diagnostics.recovery_gap_split = name in ("noise", "noisenorm", "noisegate")
     if max_o:
       config.gnmr.max_o = int(max_o)
     if t_lock:
@@ -289,7 +294,7 @@ def quality_run(regime, seed, steps, data):
   replays = dict(CONTROLLERS)
   replays["hybrid_default_thresholds"] = ({"priority": "hybrid"}, 0)
   del replays["hindsight"], replays["gaprec"]  # static run: both measuring passes are the same
-  for name in ("noise", "noisenorm", "lastblocks", "lateswitch"):  # e2e only (static sets; split halves)
+  for name in ("noise", "noisenorm", "noisegate", "lastblocks", "lateswitch"):  # e2e only (static sets; split halves)
     del replays[name]
   replays["gap_every50"] = (CONTROLLERS["gap"][0], 50)
   replays["relgap_every50"] = (CONTROLLERS["relgap"][0], 50)

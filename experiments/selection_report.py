@@ -24,12 +24,14 @@ PERTURB = "_perturb"
 DEPLOYABLE = ("norm", "norm_tlock20", "norm_tlock200", "gap", "gap_every50", "gaprec",
               "gaprec_every50", "gaprec_every50_from0", "gapuni_every50_from0",
               "gap_every50_from0", "relgap", "relgap_every50", "relgap_every50_from0", "hybrid",
-              "noise_every50_from0", "noisenorm_every50_from0", "lastblocks", "lateswitch")
+              "noise_every50_from0", "noisenorm_every50_from0", "noisegate_every50_from0",
+              "lastblocks", "lateswitch")
 REFERENCES = ("oracle", "hindsight")
 ORDER = ("static_low", "static_rec", "gnmr", "random", "norm", "norm_tlock20", "norm_tlock200",
          "gap", "gap_every50", "gaprec", "gaprec_every50", "gaprec_every50_from0",
          "gapuni_every50_from0", "gap_every50_from0", "relgap", "relgap_every50",
          "relgap_every50_from0", "hybrid", "noise_every50_from0", "noisenorm_every50_from0",
+         "noisegate_every50_from0",
          "lastblocks", "lateswitch",
          "oracle", "hindsight", "norm_max_o2", "norm_max_o8", "norm_max_o2_tlock200",
          "norm_max_o8_tlock200", "gaprec_max_o2", "gaprec_max_o8", "relgap_max_o2_every50",
@@ -69,6 +71,9 @@ LABELS = {
                            "'uniform' pass with split halves, from step warmup + 1",
     "noisenorm_every50_from0": "noise fraction gate, candidates ranked by the norm level "
                                "(`noise_rank='norm'`), otherwise as the 'noise' arm",
+    "noisegate_every50_from0": "noise-fraction gate on the whole model (`noise_gate='any'`: "
+                               "while any unit's pi > 1/3 every unit is a candidate), ranked by "
+                               "the norm level; otherwise as the 'noise' arm",
     "lastblocks": "NVIDIA's static recipe: the last block's 7 units for the whole run "
                   "(priority 'last_blocks', max_o 7)",
     "lateswitch": "late global switch: every unit from step 175 (priority 'late_switch')",
@@ -222,7 +227,9 @@ PAIRS = (("gapuni_every50_from0", "gaprec_every50_from0"), ("gap_every50_from0",
          ("noise_every50_from0", "static_low"), ("noise_every50_from0", "lastblocks"),
          ("noise_every50_from0", "lateswitch"), ("lastblocks", "norm"), ("lateswitch", "norm"),
          ("hindsight", "noise_every50_from0"), ("noisenorm_every50_from0", "norm"),
-         ("noisenorm_every50_from0", "lastblocks"), ("noisenorm_every50_from0", "lateswitch"))
+         ("noisenorm_every50_from0", "lastblocks"), ("noisenorm_every50_from0", "lateswitch"),
+         ("noisegate_every50_from0", "norm"), ("noisegate_every50_from0", "lastblocks"),
+         ("noisegate_every50_from0", "lateswitch"))
 
 
 def comparisons(arms):
@@ -397,8 +404,9 @@ def section():
       if regime == "tensor4":
         out.append("Goals of the selection issue (tensor4):\n\n" + goals(arms))
         out.append("Goal of issue 23 where the gap is persistent (tensor4):\n\n"
-                   + "\n".join(goals_noise(arms, n) for n in ("noise_every50_from0",
-                                                               "noisenorm_every50_from0")))
+                   + "\n".join(goals_noise(arms, n) for n in (
+                       "noise_every50_from0", "noisenorm_every50_from0",
+                       "noisegate_every50_from0")))
     for regime, arms in old_e2e.items():
       if regime not in data["e2e"]:
         out.append(f"**{regime}** (not re-run since issue 18: every seed on data seed 0): "

@@ -21,7 +21,7 @@ from gnmr_jax.model import PROJECTIONS
 from gnmr_jax.model_configs import model_config, validate_model_config
 from gnmr_jax.sharding import MESH_FIELDS, default_mesh_config, mesh_axis_types, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
-from gnmr_jax.control.priorities import GAP_PRIORITIES, NOISE_RANKS, PRIORITIES
+from gnmr_jax.control.priorities import GAP_PRIORITIES, NOISE_GATES, NOISE_RANKS, PRIORITIES
 from gnmr_jax.optim import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "zero", "none")
@@ -87,6 +87,9 @@ def gnmr_config() -> ml_collections.ConfigDict:
   # 'noise': candidates beyond the alarm, when more than max_o compete, ranked by 'pi' or by the
   # gradient-norm level ('norm': pi decides whether a unit is recovered, the norm which).
   c.noise_rank = "pi"
+  # 'noise': 'unit' (a unit's own pi makes it a candidate) or 'any' (any unit's pi over
+  # noise_upper makes every unit a candidate: pi decides whether to spend, noise_rank where).
+  c.noise_gate = "unit"
   return c
 
 
@@ -334,6 +337,9 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     if value and priority != owner:
       raise ValueError(f"config.gnmr.{field}={value!r} is read by priority {owner!r} only; "
                        f"config.gnmr.priority is {priority!r}.")
+  if g.get("noise_gate", "unit") not in NOISE_GATES:
+    raise ValueError(f"config.gnmr.noise_gate must be one of {list(NOISE_GATES)}, got "
+                     f"{g.noise_gate!r}.")
   if g.get("noise_rank", "pi") not in NOISE_RANKS:
     raise ValueError(f"config.gnmr.noise_rank must be one of {list(NOISE_RANKS)}, got "
                      f"{g.noise_rank!r}.")

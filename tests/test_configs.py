@@ -71,3 +71,10 @@ def test_bad_noise_rank_is_named():
   config.gnmr.noise_rank = "gap"
   with pytest.raises(ValueError, match=r"config.gnmr.noise_rank must be one of \['pi', 'norm'\]"):
     validate_config(config, device_count=1)
+
+
+def test_bad_noise_gate_is_named():
+  config = tiny.get_config()
+  config.gnmr.noise_gate = "all"
+  with pytest.raises(ValueError, match=r"config.gnmr.noise_gate must be one of \['unit', 'any'\]"):
+    validate_config(config, device_count=1)

@@ -36,7 +36,7 @@ def _run(norms, gaps, recs, valid, **kwargs):
   return np.asarray(masks), np.asarray(pis), state
 
 
-def _reference(norms, gaps, recs, valid, rank="pi"):
+def _reference(norms, gaps, recs, valid, rank="pi", gate="unit"):
   """The rule in float64 NumPy, written from the module docstring."""
   noise, rec, count = np.zeros(N), np.zeros(N), np.zeros(N, int)
   lock, mask = np.zeros(N, int), np.zeros(N, bool)
@@ -51,7 +51,10 @@ def _reference(norms, gaps, recs, valid, rank="pi"):
     pi = np.where(noise == 0, 0.0, noise / np.where(rec > 0, rec, 1.0))
     pis.append(pi)
     finite = np.isfinite(norms[t])
-    candidate = ~finite | (lock > 0) | (pi > UPPER) | (mask & (pi >= LOWER))
+    above = (pi > UPPER) | (mask & (pi >= LOWER))
+    if gate == "any":
+      above = np.full(N, above.any())
+    candidate = ~finite | (lock > 0) | above
     tier = np.where(~finite, 3, np.where(lock > 0, 1, 0))
     by = pi if rank == "pi" else np.where(finite, norms[t].astype(np.float64), 0.0)
     order = sorted(range(N), key=lambda u: (not candidate[u], -tier[u], -by[u], u))
@@ -118,6 +121,34 @@ def test_noise_rank_norm_ranks_the_same_candidates_by_the_norm_level():
   assert (want != by_pi).any()  # the ranking matters in this draw: the check has teeth
   with pytest.raises(ValueError, match="noise_rank"):
     gnmr_jax.prioritized("noise", max_o=1, t_lock=0, noise_rank="gap")
+
+
+def test_noise_gate_any_opens_every_unit_while_one_is_over_the_threshold():
+  """noise_gate='any' with noise_rank='norm': while any unit's pi is over 1/3 (or a unit in the
+  mask stays >= 1/6), the max_o largest norms are recovered; when none is, nothing is."""
+  rng = np.random.default_rng(7)
+  steps = 30
+  recs = rng.uniform(0.5, 2.0, (steps, N)).astype(np.float32)
+  rel = np.full((steps, N), 0.05)
+  rel[6:15, 4] = 0.8    # one unit over the threshold from step 7 to 15, then below 1/6
+  rel[21:24, 2] = 0.45  # another, later
+  gaps = (rel * recs).astype(np.float32)
+  valid = np.zeros((steps, N), bool)
+  valid[::2] = True
+  norms = np.tile(np.array([5.0, 1.0, 2.0, 0.5, 3.0, 8.0], np.float32), (steps, 1))
+  masks, _, _ = _run(norms, gaps, recs, valid, noise_rank="norm", noise_gate="any")
+  want, want_pis = _reference(norms, gaps, recs, valid, rank="norm", gate="any")
+  margin = np.min(np.abs(want_pis[:, :, None] - np.array([UPPER, LOWER])[None, None]))
+  assert margin > 1e-4
+  np.testing.assert_array_equal(masks, want)
+  open_steps = masks.any(axis=1)
+  assert open_steps.any() and not open_steps.all()  # it spends only while the gate is open
+  # While open, the largest norms (units 5 and 0) are recovered, not the unit whose pi opened it.
+  assert masks[open_steps][:, [5, 0]].all() and not masks[open_steps][:, 4].all()
+  unit_gate, _ = _reference(norms, gaps, recs, valid, rank="norm", gate="unit")
+  assert (unit_gate != want).any()
+  with pytest.raises(ValueError, match="noise_gate"):
+    gnmr_jax.prioritized("noise", max_o=1, t_lock=0, noise_gate="all")
 
 
 def test_noise_priority_keeps_the_papers_alarm_and_recovers_nonfinite_units_first():

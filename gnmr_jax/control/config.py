@@ -33,4 +33,5 @@ def from_config(g, seed: int = 0) -> optax.GradientTransformationExtraArgs:
                      last_blocks=g.get("last_blocks", 0), switch_step=g.get("switch_step", 0),
                      noise_upper=g.get("noise_upper", 1 / 3),
                      noise_lower=g.get("noise_lower", 1 / 6),
-                     noise_rank=g.get("noise_rank", "pi"))
+                     noise_rank=g.get("noise_rank", "pi"),
+                     noise_gate=g.get("noise_gate", "unit"))

@@ -38,7 +38,8 @@ by one of these priorities:
             Candidates only, at most max_o: the mask may be empty. Alarmed units rank
             first (by the paper's score); the others by pi_u, or with
             ``noise_rank='norm'`` by the gradient-norm level (pi_u then decides whether a
-            unit is recovered, the norm level which).
+            unit is recovered, the norm level which). With ``noise_gate='any'`` every unit
+            is a candidate while any unit's pi_u is over the threshold.
   'fixed'   a static set: the units whose name matches the ``fixed_units`` regex (at most
             max_o of them) run the recovery path at every step after warmup; no signal,
             no lock. A set chosen in hindsight, or a practitioner's static recipe.
@@ -85,6 +86,7 @@ PRIORITIES = ("gnmr", "norm", "gap", "relgap", "oracle", "hybrid", "random", "fi
 # Static recipes: a set fixed in advance (and, for 'late_switch', a step), no signal, no lock.
 STATIC_PRIORITIES = ("fixed", "last_blocks", "late_switch")
 NOISE_RANKS = ("pi", "norm")  # 'noise': how candidates beyond the alarm are ranked
+NOISE_GATES = ("unit", "any")  # 'noise': a unit's own pi, or any unit's, makes candidates
 # Priorities that need a measured recovery gap from the train step.
 GAP_PRIORITIES = ("gap", "relgap", "oracle", "noise")
 
@@ -106,7 +108,8 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
                 seed: int = 0, fixed_units=None, last_blocks: int = 0,
                 switch_step: int = 0, noise_upper: float = 1 / 3,
                 noise_lower: float = 1 / 6,
-                noise_rank: str = "pi") -> optax.GradientTransformationExtraArgs:
+                noise_rank: str = "pi",
+                noise_gate: str = "unit") -> optax.GradientTransformationExtraArgs:
   """A budgeted recovery controller ranking units by ``priority`` (module docstring).
 
   Args:
@@ -131,6 +134,10 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     noise_rank: 'noise' only: how candidates beyond the paper's alarm are ranked when more
       than max_o of them compete: 'pi' (by the noise fraction) or 'norm' (by the gradient-norm
       level, as priority 'norm'): pi then decides whether a unit is recovered, the norm which.
+    noise_gate: 'noise' only: 'unit' (a unit is a candidate by its own pi_u) or 'any' (while
+      any unit's pi_u is above ``noise_upper``, or a unit in the mask stays at or above
+      ``noise_lower``, every unit is a candidate: pi decides whether to spend, ``noise_rank``
+      where).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` passing updates through; its
@@ -178,6 +185,9 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
     if value and priority != owner:
       raise ValueError(f"prioritized: `{name}` is read by priority {owner!r} only, not by "
                        f"{priority!r}.")
+  if noise_gate not in NOISE_GATES:
+    raise ValueError(f"prioritized: `noise_gate` must be one of {NOISE_GATES}, got "
+                     f"{noise_gate!r}.")
   if noise_rank not in NOISE_RANKS:
     raise ValueError(f"prioritized: `noise_rank` must be one of {NOISE_RANKS}, got "
                      f"{noise_rank!r}.")
@@ -294,8 +304,10 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
       candidate = jnp.ones((num_units,), jnp.bool_)  # every unit, but for 'noise'
       if priority == "noise":  # the paper's alarm first (by its score); a cap, not a quota
         risky = flat(ctl.risky)
-        candidate = (risky | (lock > 0) | (value > noise_upper)
-                     | (prev_mask & (value >= noise_lower)))
+        above = (value > noise_upper) | (prev_mask & (value >= noise_lower))
+        if noise_gate == "any":
+          above = jnp.broadcast_to(jnp.any(above), above.shape)
+        candidate = risky | (lock > 0) | above
         tier = jnp.where(risky, 2, tier)
         rank_by = value if noise_rank == "pi" else jnp.where(finite, norm, 0.0)
         value = jnp.where(risky, flat(ctl.score), rank_by)
