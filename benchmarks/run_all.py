@@ -23,6 +23,10 @@ SCRIPTS = [
      ["benchmarks/compile_cost.py", "--models", "tiny,60m,130m,1b,7b,13b"]),
     ("Cost of measuring the recovery gap every K steps (selection issue)",
      ["benchmarks/recovery_gap_overhead.py"]),
+    ("Emulated NVFP4 / MXFP8 train step against bf16 and int8 (issue 22)",
+     ["benchmarks/microscaling_step.py"]),
+    ("Cost of the 'noise' priority's measuring pass ('uniform', split halves) (issue 23)",
+     ["benchmarks/recovery_gap_overhead.py", "--priority", "noise", "--every", "50,100"]),
 ]
 
 
