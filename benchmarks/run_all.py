@@ -26,7 +26,8 @@ SCRIPTS = [
     ("Emulated NVFP4 / MXFP8 train step against bf16 and int8 (issue 22)",
      ["benchmarks/microscaling_step.py"]),
     ("Cost of the 'noise' priority's measuring pass ('uniform', split halves) (issue 23)",
-     ["benchmarks/recovery_gap_overhead.py", "--priority", "noise", "--every", "50,100"]),
+     ["benchmarks/recovery_gap_overhead.py", "--priority", "noise", "--every", "50,100",
+      "--block", "100"]),
 ]
 
 
