@@ -194,6 +194,24 @@ def _static_gap(results, low):
   return out
 
 
+def _closed_lines(results):
+  """Per routed arm: the static_low-to-static_rec gap it closes, pooled over the seeds all three
+  have: mean (L_low - L_arm) / mean (L_low - L_rec), and its mean recovered unit-steps."""
+  out = []
+  low, rec = results.get("static_low", {}), results.get("static_rec", {})
+  for arm in sorted(a for a in results if not a.startswith("static") and
+                    not a.endswith("_perturb")):
+    seeds = sorted(set(low) & set(rec) & set(results[arm]))
+    gap = sum(low[k]["eval_loss"] - rec[k]["eval_loss"] for k in seeds)
+    if len(seeds) < 2 or gap <= 0:
+      continue
+    closed = sum(low[k]["eval_loss"] - results[arm][k]["eval_loss"] for k in seeds) / gap
+    spend = statistics.mean(results[arm][k]["recovered_unit_steps_pct"] for k in seeds)
+    out.append(f"- {arm}: closes {closed:.2f} of the static gap (pooled over {len(seeds)} seeds) "
+               f"at {spend:.2f}% of unit-steps")
+  return out
+
+
 def _preflight_lines(regime):
   root = os.path.join(RESULTS, "preflight", regime)
   if not os.path.isdir(root):
@@ -263,6 +281,7 @@ def section() -> str:
         lines.append(f"- noise floor {arm} (init x (1 + {PERTURBATION:g} z)): perturbed - "
                      f"unperturbed per seed {', '.join(f'{d:+.4f}' for d in diffs)}; largest "
                      f"|difference| {max(abs(d) for d in diffs):.4f} nats")
+    lines += _closed_lines(results)
     lines += _preflight_lines(regime)
     dates = sorted({r["date"] for rows in results.values() for r in rows.values()})
     devices = sorted({r["device"] for rows in results.values() for r in rows.values()})
