@@ -203,6 +203,15 @@ def _int(cfg, group, field, minimum):
     raise ValueError(f"config.{group}.{field} must be an integer >= {minimum}, got {value!r}.")
 
 
+def _choice(cfg, group, field, choices, default=None):
+  """The field's value (``default`` when a config written before the field lacks it), which
+  must be one of ``choices``."""
+  value = cfg.get(field, default)
+  if value not in choices:
+    raise ValueError(f"config.{group}.{field} must be one of {list(choices)}, got {value!r}.")
+  return value
+
+
 def _float(cfg, group, field, minimum=0.0, inclusive=False, maximum=None):
   value = cfg[field]
   ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -288,19 +297,15 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   _float(o, "optimizer", "learning_rate")
   _int(o, "optimizer", "warmup_steps", 0)
   _float(o, "optimizer", "min_lr_ratio", 0.0, inclusive=True, maximum=1.0)
-  if "schedule" in o:
-    if o.schedule not in SCHEDULES:
-      raise ValueError(f"config.optimizer.schedule must be one of {list(SCHEDULES)}, "
-                       f"got {o.schedule!r}.")
+  _choice(o, "optimizer", "schedule", SCHEDULES, "cosine")
+  if "decay_fraction" in o:
     _float(o, "optimizer", "decay_fraction", 0.0, maximum=1.0)
   _float(o, "optimizer", "weight_decay", 0.0, inclusive=True)
   _float(o, "optimizer", "b1", 0.0, inclusive=True, maximum=1.0)
   _float(o, "optimizer", "b2", 0.0, inclusive=True, maximum=1.0)
   _float(o, "optimizer", "eps")
   _float(o, "optimizer", "grad_clip", 0.0, inclusive=True)
-  if o.nonfinite not in NONFINITE_POLICIES:
-    raise ValueError(f"config.optimizer.nonfinite must be one of {list(NONFINITE_POLICIES)}, "
-                     f"got {o.nonfinite!r}.")
+  _choice(o, "optimizer", "nonfinite", NONFINITE_POLICIES)
   if not isinstance(g.enabled, bool):
     raise ValueError(f"config.gnmr.enabled must be True or False, got {g.enabled!r}.")
   _float(g, "gnmr", "alpha")
@@ -310,9 +315,7 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   _int(g, "gnmr", "t_lock", 0)
   _int(g, "gnmr", "warmup", 0)
   # A config written before priorities existed means the paper's rule (as optim reads it).
-  priority = g.get("priority", "gnmr")
-  if priority not in PRIORITIES:
-    raise ValueError(f"config.gnmr.priority must be one of {list(PRIORITIES)}, got {priority!r}.")
+  priority = _choice(g, "gnmr", "priority", PRIORITIES, "gnmr")
   if "gap_decay" in g:
     _float(g, "gnmr", "gap_decay", 0.0, inclusive=True)
   if g.get("gap_decay", 0.0) >= 1:
@@ -337,12 +340,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     if value and priority != owner:
       raise ValueError(f"config.gnmr.{field}={value!r} is read by priority {owner!r} only; "
                        f"config.gnmr.priority is {priority!r}.")
-  if g.get("noise_gate", "unit") not in NOISE_GATES:
-    raise ValueError(f"config.gnmr.noise_gate must be one of {list(NOISE_GATES)}, got "
-                     f"{g.noise_gate!r}.")
-  if g.get("noise_rank", "pi") not in NOISE_RANKS:
-    raise ValueError(f"config.gnmr.noise_rank must be one of {list(NOISE_RANKS)}, got "
-                     f"{g.noise_rank!r}.")
+  _choice(g, "gnmr", "noise_gate", NOISE_GATES, "unit")
+  _choice(g, "gnmr", "noise_rank", NOISE_RANKS, "pi")
   if "noise_upper" in g or "noise_lower" in g:
     _float(g, "gnmr", "noise_upper")
     lower = g.get("noise_lower", 1 / 6)
@@ -374,9 +373,7 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     if split and gap_pass == "swapped":
       raise ValueError("config.diagnostics.recovery_gap_split splits the all-recovered pass: "
                        "use recovery_gap_pass 'recovery' or 'uniform', not 'swapped'.")
-    if gap_pass not in GAP_PASSES:
-      raise ValueError(f"config.diagnostics.recovery_gap_pass must be one of {list(GAP_PASSES)}, "
-                       f"got {gap_pass!r}.")
+    _choice(config.diagnostics, "diagnostics", "recovery_gap_pass", GAP_PASSES, gap_pass)
   if g.enabled and priority in GAP_PRIORITIES and not gap_every:
     raise ValueError(f"config.gnmr.priority={priority!r} ranks units by a measured recovery "
                      "gap: set config.diagnostics.recovery_gap_every to K > 0 (measure every K "
