@@ -56,6 +56,9 @@ RESULTS = os.path.join(common.RESULTS_DIR, "selection_cpu.json")
 GAP_EVERY = 10      # measurement period of the 'gap' controller (K)
 HINDSIGHT = r"mlp/down"  # the hindsight static set: mlp/down of every layer
 LATE_SWITCH_STEP = 175  # 'lateswitch': every unit recovered from this step on
+# The 'noise' arms' settings (as experiments/noise_fraction.py's): the paper's alarm at alpha 4 /
+# beta 3, measurements blended with weight 0.5.
+NOISE = {"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5}
 
 if "blockwise4" not in registry.available_paths():
   registry.register_path("blockwise4", lambda config, role: blockwise.blockwise_path(
@@ -101,16 +104,14 @@ CONTROLLERS = {
     # Issue 23's adaptive priority: pi_u = EMA(e_u^2) / EMA(||g_rec,u||^2) from the 'uniform'
     # pass (split halves), candidates above 1/3 down to 1/6, the paper's alarm at alpha 4 /
     # beta 3; max_o is a cap, the mask may be empty.
-    "noise": ({"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5}, GAP_EVERY),
+    "noise": (NOISE, GAP_EVERY),
     # The same gate, candidates ranked by the norm level (added after 'noise' K=50 closed less
     # than 'norm' on seed 0 at the same spend: pi decides whether, the norm level which).
-    "noisenorm": ({"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5,
-                   "noise_rank": "norm"}, GAP_EVERY),
+    "noisenorm": ({**NOISE, "noise_rank": "norm"}, GAP_EVERY),
     # Any unit's pi over 1/3 makes every unit a candidate, ranked by the norm level (added after
     # 'noise' and 'noisenorm' closed none of the gap in tensor4: the units pi flags are not the
     # ones whose recovery buys loss; pi decides whether to spend, the norm level where).
-    "noisegate": ({"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5,
-                   "noise_rank": "norm", "noise_gate": "any"}, GAP_EVERY),
+    "noisegate": ({**NOISE, "noise_rank": "norm", "noise_gate": "any"}, GAP_EVERY),
     # NVIDIA's static recipes: the last block (7 units of the 4-layer model) for the whole run,
     # and every unit from step 175 (a late global switch: 26 of 200 steps, ~13% of unit-steps,
     # the spend of 'norm' at max_o 4).
@@ -160,7 +161,7 @@ def arm_config(regime, arm, seed, steps=0):
     config.gnmr.update(overrides)
     config.diagnostics.recovery_gap_every = int(every) if every else gap_every
     config.diagnostics.recovery_gap_pass = GAP_PASS.get(name, "swapped")
-    config.diagnostics.recovery_gap_split = name in ("noise", "noisenorm", "noisegate")
+    config.diagnostics.recovery_gap_split = overrides.get("priority") == "noise"
     if max_o:
       config.gnmr.max_o = int(max_o)
     if t_lock:
