@@ -340,8 +340,11 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     if value and priority != owner:
       raise ValueError(f"config.gnmr.{field}={value!r} is read by priority {owner!r} only; "
                        f"config.gnmr.priority is {priority!r}.")
-  _choice(g, "gnmr", "noise_gate", NOISE_GATES, "unit")
-  _choice(g, "gnmr", "noise_rank", NOISE_RANKS, "pi")
+  for field, choices in (("noise_gate", NOISE_GATES), ("noise_rank", NOISE_RANKS)):
+    value = _choice(g, "gnmr", field, choices, choices[0])
+    if value != choices[0] and priority != "noise":
+      raise ValueError(f"config.gnmr.{field}={value!r} is read by priority 'noise' only; "
+                       f"config.gnmr.priority is {priority!r}.")
   if "noise_upper" in g or "noise_lower" in g:
     _float(g, "gnmr", "noise_upper")
     lower = g.get("noise_lower", 1 / 6)

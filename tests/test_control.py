@@ -142,6 +142,16 @@ def test_fixed_priority_from_config_and_its_config_checks():
   config.gnmr.priority, config.gnmr.switch_step = "norm", 10
   with pytest.raises(ValueError, match="config.gnmr.switch_step=10 is read by priority"):
     validate_config(config, 1)
+  config.gnmr.switch_step = 0
+  config.diagnostics.update(recovery_gap_every=50, recovery_gap_pass="uniform")
+  for field, value in (("noise_rank", "norm"), ("noise_gate", "any")):
+    config.gnmr[field] = value
+    with pytest.raises(ValueError, match=f"config.gnmr.{field}='{value}' is read by priority "
+                                         f"'noise' only; config.gnmr.priority is 'norm'"):
+      validate_config(config, 1)
+    config.gnmr.priority = "noise"
+    validate_config(config, 1)
+    config.gnmr.priority, config.gnmr[field] = "norm", {"noise_rank": "pi"}.get(field, "unit")
 
 
 def _imports_of(path):
