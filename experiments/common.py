@@ -56,6 +56,21 @@ for _bits in (6, 8):
   registry.register_path(f"blockwise{_bits}", _blockwise_at(_bits))
 
 
+# The 'noise' priority as issue 23's experiments run it (selection.py, noise_fraction.py): the
+# paper's transient alarm at alpha 4 / beta 3 and pi's EMA decay 0.5 per measurement.
+NOISE_PRIORITY = {"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5}
+
+
+def spearman(a, b) -> float:
+  """Spearman's rank correlation of a and b (average ranks for ties); NaN when a has a
+  non-finite entry or either is constant."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from scipy import stats  # pylint: disable=g-import-not-at-top
+  if not np.all(np.isfinite(a)) or np.std(a) == 0 or np.std(b) == 0:
+    return float("nan")
+  return float(stats.spearmanr(a, b).statistic)
+
+
 @dataclasses.dataclass(frozen=True)
 class Arm:
   """One experimental arm.

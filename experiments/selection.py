@@ -58,7 +58,7 @@ HINDSIGHT = r"mlp/down"  # the hindsight static set: mlp/down of every layer
 LATE_SWITCH_STEP = 175  # 'lateswitch': every unit recovered from this step on
 # The 'noise' arms' settings (as experiments/noise_fraction.py's): the paper's alarm at alpha 4 /
 # beta 3, measurements blended with weight 0.5.
-NOISE = {"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5}
+NOISE = common.NOISE_PRIORITY
 
 if "blockwise4" not in registry.available_paths():
   registry.register_path("blockwise4", lambda config, role: blockwise.blockwise_path(
@@ -230,13 +230,6 @@ def replay(priority, norms, gaps, measured, g, gap_every, rec_norms=None):
   return masks, signals
 
 
-def _spearman(a, b):
-  from scipy import stats  # pylint: disable=g-import-not-at-top
-  if not np.all(np.isfinite(a)) or np.std(a) == 0 or np.std(b) == 0:
-    return float("nan")
-  return float(stats.spearmanr(a, b).statistic)
-
-
 def score_masks(masks, signals, gaps, warmup, max_o):
   """Per-step coverage, precision and Spearman against the oracle top-max_o set, averaged."""
   cov, prec, rho, share = [], [], [], []
@@ -250,7 +243,7 @@ def score_masks(masks, signals, gaps, warmup, max_o):
     prec.append((mask & in_top).sum() / max_o)
     share.append(mask.mean())
     if signals is not None:
-      rho.append(_spearman(signals[t - 1], e))
+      rho.append(common.spearman(signals[t - 1], e))
   return {"coverage": float(np.mean(cov)), "precision": float(np.mean(prec)),
           "spearman": float(np.nanmean(rho)) if rho and np.any(np.isfinite(rho)) else None,
           "recovered_share": float(np.mean(share))}
