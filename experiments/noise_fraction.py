@@ -38,16 +38,22 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 
 from experiments import common  # noqa: E402  pylint: disable=g-import-not-at-top
+from experiments import selection_report  # noqa: E402  pylint: disable=g-import-not-at-top
 
 RESULTS = os.path.join(common.RESULTS_DIR, "noise_fraction")
 ARMS = ("static_low", "static_rec", "norm", "noise", "noisenorm", "noisegate")
 PERTURBATION = 1e-7
-NOISE = {"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5}
+NOISE = common.NOISE_PRIORITY
 GAP = {"recovery_gap_every": 50, "recovery_gap_start": 0, "recovery_gap_pass": "uniform",
        "recovery_gap_split": True}
 
 
-REGIMES = ("default", "nvfp4", "mxfp8", "wsd8")
+# wsd8 and its variants (issue 22: which setting makes an NVFP4 gap larger than the noise
+# floor?): 'wsd8rtn' rounds the incoming gradient to nearest instead of stochastically (the
+# biased backward that NVIDIA's recipe avoids with SR); 'wsd8lr' triples the learning rate.
+WSD8_VARIANTS = {"wsd8": {}, "wsd8rtn": {"precision": {"nvfp4_gradient_rounding": "nearest"}},
+                 "wsd8lr": {"optimizer": {"learning_rate": 1e-2}}}
+REGIMES = ("default", "nvfp4", "mxfp8", *WSD8_VARIANTS)
 # wsd8: issue 22's first-measurement setting (the quick probe's): 8 layers, 400 steps,
 # warmup-stable-decay (linear decay over the last 20%); NVFP4 (RTN forward, SR gradients) is the
 # low-cost path, 'static_mxfp8' the MXFP8 one; static_low also measures the gap every
@@ -69,15 +75,17 @@ def base_config(regime: str):
   else:
     from experiments import scenario1_saved_activation as scenario1  # pylint: disable=g-import-not-at-top
     config = scenario1.base("cpu")
-    path = "nvfp4" if regime == "wsd8" else regime
+    path = "nvfp4" if regime in WSD8_VARIANTS else regime
     config.precision.update(mode="gnmr", low_cost_path=path, recovery_path="bf16")
     config.gnmr.priority = "norm"
     config.logging.unit_log_every = 0
-    if regime == "wsd8":
+    if regime in WSD8_VARIANTS:
       config.gnmr.max_o = 7  # the static recipes' spend (12.5% of unit-steps) as the cap
       config.model.num_layers = WSD8["layers"]
       config.train.steps, config.train.eval_every = WSD8["steps"], 100
       config.optimizer.update(schedule="wsd", decay_fraction=WSD8["decay_fraction"])
+      for group, fields in WSD8_VARIANTS[regime].items():
+        config[group].update(fields)
   config.logging.progress_bar = False
   config.logging.plots = False
   config.logging.tensorboard = False
@@ -92,19 +100,19 @@ def arm_config(regime: str, arm: str, seed: int):
     config.train.init_perturbation = PERTURBATION
   if arm == "static_low":
     config.precision.mode = "static"
-    if regime == "wsd8":  # the pre-flight's measurements
+    if regime in WSD8_VARIANTS:  # the pre-flight's measurements
       config.diagnostics.update(GAP, recovery_gap_every=PREFLIGHT_EVERY)
       config.logging.unit_log_every = PREFLIGHT_EVERY
   elif arm == "static_rec":
     config.precision.mode = "static"
     config.precision.low_cost_path = config.precision.recovery_path
-  elif arm == "static_mxfp8" and regime == "wsd8":
+  elif arm == "static_mxfp8" and regime in WSD8_VARIANTS:
     config.precision.update(mode="static", low_cost_path="mxfp8")
   elif arm in ("noise", "noisenorm", "noisegate"):  # ranked by the norm level / gate 'any'
     config.gnmr.update(NOISE, noise_rank="pi" if arm == "noise" else "norm",
                        noise_gate="any" if arm == "noisegate" else "unit")
     config.diagnostics.update(GAP)
-  elif arm in STATIC_RECIPES and regime == "wsd8":
+  elif arm in STATIC_RECIPES and regime in WSD8_VARIANTS:
     config.gnmr.update(STATIC_RECIPES[arm])
   elif arm != "norm":
     raise SystemExit(f"unknown arm {arm!r}; valid: {list(ARMS)} (+ '_perturb'; wsd8 also "
@@ -163,12 +171,11 @@ def load(regime):
 
 
 def _paired(results, a, b):
-  """Mean and SE of the per-seed differences loss(a) - loss(b) over their common seeds."""
-  seeds = sorted(set(results.get(a, {})) & set(results.get(b, {})))
-  diffs = [results[a][s]["eval_loss"] - results[b][s]["eval_loss"] for s in seeds]
-  if len(diffs) < 2:
-    return None
-  return statistics.mean(diffs), statistics.stdev(diffs) / len(diffs) ** 0.5, len(diffs)
+  """Mean and SE of the per-seed differences loss(a) - loss(b) over their common seeds (None
+  with fewer than 2)."""
+  mean, se, n = selection_report.paired(results.get(a, {}).values(),
+                                        results.get(b, {}).values())
+  return (mean, se, n) if n >= 2 else None
 
 
 def _static_gap(results, low):
@@ -289,14 +296,6 @@ def section() -> str:
   return "\n".join(lines)
 
 
-def _spearman(a, b):
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-  if np.std(ra) == 0 or np.std(rb) == 0:
-    return float("nan")
-  return float(np.corrcoef(ra, rb)[0, 1])
-
-
 def preflight(regime, seed, top=7, decay=0.5, upper=1 / 3):
   """The pre-flight of issue 23 from the static low-cost run's measurements (its
   recovery_gap.jsonl: the 'uniform' pass with split halves every PREFLIGHT_EVERY steps):
@@ -350,9 +349,9 @@ def preflight(regime, seed, top=7, decay=0.5, upper=1 / 3):
          "jaccard_consecutive": float(np.mean([len(a & b) / len(a | b)
                                                for a, b in zip(tops, tops[1:])])),
          "top_early": [names[i] for i in sorted(early)], "top_late": [names[i] for i in sorted(late)],
-         "spearman_pi_next_gap": float(np.nanmean([_spearman(num[i], e[i + 1])
+         "spearman_pi_next_gap": float(np.nanmean([common.spearman(num[i], e[i + 1])
                                                    for i in range(len(rows) - 1)])),
-         "spearman_pi_next_relgap": float(np.nanmean([_spearman(num[i], rel[i + 1])
+         "spearman_pi_next_relgap": float(np.nanmean([common.spearman(num[i], rel[i + 1])
                                                       for i in range(len(rows) - 1)])),
          "phases": {k: {"measurements": int(m.sum()),
                         "median_raw_fraction": float(np.median(raw[m])) if m.any() else None,
