@@ -62,8 +62,12 @@ WSD8 = {"layers": 8, "steps": 400, "decay_fraction": 0.2}
 PREFLIGHT_EVERY = 10
 # The static recipes at ~12.5% of unit-steps in wsd8: the last of 8 layers (7 of 56 units) for
 # the whole run, or every unit from step 351 (50 of 400 steps).
-STATIC_RECIPES = {"last_blocks": {"priority": "last_blocks", "last_blocks": 1, "max_o": 7},
-                  "late_switch": {"priority": "late_switch", "switch_step": 351, "max_o": 56}}
+# 'late_switch_fwd' is NVIDIA's forward-only late switch: from step 351 the forward runs in bf16
+# and the backward stays NVFP4 (recovery path 'nvfp4_backward').
+LATE = {"priority": "late_switch", "switch_step": 351, "max_o": 56}
+STATIC_RECIPES = {"last_blocks": ({"priority": "last_blocks", "last_blocks": 1, "max_o": 7}, {}),
+                  "late_switch": (LATE, {}),
+                  "late_switch_fwd": (LATE, {"recovery_path": "nvfp4_backward"})}
 
 
 def base_config(regime: str):
@@ -113,7 +117,8 @@ def arm_config(regime: str, arm: str, seed: int):
                        noise_gate="any" if arm == "noisegate" else "unit")
     config.diagnostics.update(GAP)
   elif arm in STATIC_RECIPES and regime in WSD8_VARIANTS:
-    config.gnmr.update(STATIC_RECIPES[arm])
+    config.gnmr.update(STATIC_RECIPES[arm][0])
+    config.precision.update(STATIC_RECIPES[arm][1])
   elif arm != "norm":
     raise SystemExit(f"unknown arm {arm!r}; valid: {list(ARMS)} (+ '_perturb'; wsd8 also "
                      f"'static_mxfp8', {list(STATIC_RECIPES)})")
@@ -274,7 +279,8 @@ def section() -> str:
                  ("noisenorm", "norm"), ("noisenorm", "noise"), ("noisegate", "static_low"),
                  ("noisegate", "norm"), ("norm", "static_low"),
                  ("static_rec", "static_low"), ("last_blocks", "static_low"),
-                 ("late_switch", "static_low"), ("noise", "last_blocks"),
+                 ("late_switch", "static_low"), ("late_switch_fwd", "static_low"),
+                 ("late_switch_fwd", "late_switch"), ("noise", "last_blocks"),
                  ("noise", "late_switch")):
       paired = _paired(results, a, b)
       if paired:

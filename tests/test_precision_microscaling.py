@@ -431,6 +431,9 @@ NV, MX = 'nvfp4_quantize', 'mxfp8_quantize'
      [(f'{NV}(RN)', f'{NV}(RN)')] * 3),
     ('nvfp4_forward_only', path_dot(nvfp4.nvfp4_path(forward_only=True)),
      [(f'{NV}(RN)', f'{NV}(RN)')] + [('convert_element_type', 'convert_element_type')] * 2),
+    ('nvfp4_backward_only', path_dot(nvfp4.nvfp4_path(backward_only=True)),
+     [('convert_element_type', 'convert_element_type'), (f'{NV}(SR)', f'{NV}(RN)'),
+      (f'{NV}(RN)', f'{NV}(SR)')]),
     ('mxfp8', mxfp8.mxfp8_dot, [(f'{MX}(RN)', f'{MX}(RN)')] * 3),
 ])
 def test_every_matmul_takes_both_operands_from_its_quantizer(name, dot, want):
@@ -474,6 +477,31 @@ def test_forward_only_nvfp4_has_the_bf16_backward_exactly():
   np.testing.assert_array_equal(dw, bf16_dw)
   np.testing.assert_array_equal(fwd_y, nv_y)
   assert not np.array_equal(dx, nv_dx)
+
+
+def test_backward_only_nvfp4_is_the_bf16_forward_and_the_nvfp4_backward_exactly():
+  """'nvfp4_backward' (the forward-only late switch's recovery path): y of the bf16 path,
+  dx and dW of the NVFP4 path (the same SR noise: it is keyed by g's block scales)."""
+  shape = (64, 48, 40)
+  config = precision.default_precision_config()
+  config.update(mode='static', low_cost_path='nvfp4_backward')
+  routed = precision.make_policy(config).dot
+  _, (y, dx, dw) = _errors(routed, shape=shape)
+  _, (bf16_y, bf16_dx, _) = _errors(bf16.bf16_dot, shape=shape)
+  _, (nv_y, nv_dx, nv_dw) = _errors(path_dot(nvfp4.nvfp4_path()), shape=shape)
+  np.testing.assert_array_equal(y, bf16_y)
+  np.testing.assert_array_equal(dx, nv_dx)
+  np.testing.assert_array_equal(dw, nv_dw)
+  assert not np.array_equal(y, nv_y) and not np.array_equal(dx, bf16_dx)
+  config.nvfp4_gradient_rounding = 'nearest'
+  _, (_, rtn_dx, _) = _errors(precision.make_policy(config).dot, shape=shape)
+  _, (_, want_dx, _) = _errors(path_dot(nvfp4.nvfp4_path(gradient_rounding='nearest')),
+                               shape=shape)
+  np.testing.assert_array_equal(rtn_dx, want_dx)
+  with pytest.raises(ValueError, match='exclude each other'):
+    nvfp4.nvfp4_path(forward_only=True, backward_only=True)
+  with pytest.raises(ValueError, match='backward_only must be a bool'):
+    nvfp4.nvfp4_path(backward_only='yes')
 
 
 # --- routed per unit ----------------------------------------------------------------------

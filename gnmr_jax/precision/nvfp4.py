@@ -7,6 +7,9 @@ the incoming gradient ``g`` stochastically (each leg with its own noise, keyed
 by ``g``'s block scales) and ``W^T`` / ``x^T`` to nearest. Options (precision config):
 ``nvfp4_forward_only`` runs both backward matmuls in bf16, the recovery
 precision; ``nvfp4_gradient_rounding='nearest'`` rounds ``g`` to nearest too.
+The path ``'nvfp4_backward'`` is the converse (the forward in bf16, both backward
+matmuls in NVFP4): the recovery path of NVIDIA's forward-only late switch, which
+moves the forward to BF16 for the last part of training and keeps the backward in FP4.
 Emulated on every backend: the block-scaled values go into a bf16 x bf16 ->
 float32 ``dot_general`` and the two per-tensor scales multiply its result.
 """
@@ -67,8 +70,8 @@ def _drhs(x_t, g, out_dtype, out_sharding=None, *, gradient_rounding):
 
 
 @functools.lru_cache(maxsize=None)
-def nvfp4_path(forward_only: bool = False, gradient_rounding: str = 'stochastic'
-               ) -> path_lib.Path:
+def nvfp4_path(forward_only: bool = False, gradient_rounding: str = 'stochastic',
+               backward_only: bool = False) -> path_lib.Path:
   r"""The NVFP4 ``Path``: :math:`y = Q_{RN}(x)\,Q_{RN}(W)`,
   :math:`\partial x = Q_{SR}(g)\,Q_{RN}(W^T)`, :math:`\partial W = Q_{RN}(x^T)\,Q_{SR}(g)`.
 
@@ -76,6 +79,8 @@ def nvfp4_path(forward_only: bool = False, gradient_rounding: str = 'stochastic'
     forward_only: True runs :math:`\partial x` and :math:`\partial W` on bf16
       operands (float32 accumulation) instead.
     gradient_rounding: 'stochastic' or 'nearest', for ``g`` in the backward.
+    backward_only: True runs the forward on bf16 operands (float32 accumulation)
+      and both backward matmuls in NVFP4 (the converse of ``forward_only``).
 
   Returns:
     A ``Path`` (residuals: x and the kernel, unquantized). One object per argument
@@ -89,15 +94,20 @@ def nvfp4_path(forward_only: bool = False, gradient_rounding: str = 'stochastic'
     >>> dot(x, w).tolist()[0], jax.grad(lambda w: dot(x, w).sum())(w)[0].tolist()
     ([8.0, 8.0, 8.0], [4.0, 4.0, 4.0])
   """
-  if forward_only not in (False, True):
-    raise ValueError(f'nvfp4_path: forward_only must be a bool, got {forward_only!r}.')
+  for name, value in (('forward_only', forward_only), ('backward_only', backward_only)):
+    if not isinstance(value, bool):
+      raise ValueError(f'nvfp4_path: {name} must be a bool, got {value!r}.')
+  if forward_only and backward_only:
+    raise ValueError('nvfp4_path: forward_only and backward_only exclude each other (both '
+                     'would be the bf16 path).')
   if gradient_rounding not in microscaling.ROUNDINGS:
     raise ValueError(f'nvfp4_path: gradient_rounding must be one of '
                      f'{microscaling.ROUNDINGS}, got {gradient_rounding!r}.')
   if forward_only:
     return path_lib.three_leg_path(_forward, quantize.bf16_matmul, quantize.bf16_matmul)
   return path_lib.three_leg_path(
-      _forward, functools.partial(_dlhs, gradient_rounding=gradient_rounding),
+      quantize.bf16_matmul if backward_only else _forward,
+      functools.partial(_dlhs, gradient_rounding=gradient_rounding),
       functools.partial(_drhs, gradient_rounding=gradient_rounding))
 
 
@@ -107,4 +117,12 @@ def build(config, role):
   return nvfp4_path(bool(config.nvfp4_forward_only), config.nvfp4_gradient_rounding)
 
 
+def build_backward(config, role):
+  """Registry builder of ``'nvfp4_backward'``: bf16 forward, NVFP4 backward with
+  ``nvfp4_gradient_rounding``, both roles."""
+  del role
+  return nvfp4_path(gradient_rounding=config.nvfp4_gradient_rounding, backward_only=True)
+
+
 registry.register_path('nvfp4', build)
+registry.register_path('nvfp4_backward', build_backward)
