@@ -50,9 +50,12 @@ GAP = {"recovery_gap_every": 50, "recovery_gap_start": 0, "recovery_gap_pass": "
 
 # wsd8 and its variants (issue 22: which setting makes an NVFP4 gap larger than the noise
 # floor?): 'wsd8rtn' rounds the incoming gradient to nearest instead of stochastically (the
-# biased backward that NVIDIA's recipe avoids with SR); 'wsd8lr' triples the learning rate.
+# biased backward that NVIDIA's recipe avoids with SR); 'wsd8lr' triples the learning rate;
+# 'wsd8long' trains 4x longer (1600 steps, the same 20% decay), where FP4 All the Way's
+# gradient-below-noise effect should show if it shows at this width.
 WSD8_VARIANTS = {"wsd8": {}, "wsd8rtn": {"precision": {"nvfp4_gradient_rounding": "nearest"}},
-                 "wsd8lr": {"optimizer": {"learning_rate": 1e-2}}}
+                 "wsd8lr": {"optimizer": {"learning_rate": 1e-2}},
+                 "wsd8long": {"train": {"steps": 1600, "eval_every": 200}}}
 REGIMES = ("default", "nvfp4", "mxfp8", *WSD8_VARIANTS)
 # wsd8: issue 22's first-measurement setting (the quick probe's): 8 layers, 400 steps,
 # warmup-stable-decay (linear decay over the last 20%); NVFP4 (RTN forward, SR gradients) is the
@@ -61,7 +64,8 @@ REGIMES = ("default", "nvfp4", "mxfp8", *WSD8_VARIANTS)
 WSD8 = {"layers": 8, "steps": 400, "decay_fraction": 0.2}
 PREFLIGHT_EVERY = 10
 # The static recipes at ~12.5% of unit-steps in wsd8: the last of 8 layers (7 of 56 units) for
-# the whole run, or every unit from step 351 (50 of 400 steps).
+# the whole run, or every unit for the last eighth of the steps (from step 351 of 400; the
+# switch step follows train.steps in the variants).
 # 'late_switch_fwd' is NVIDIA's forward-only late switch: from step 351 the forward runs in bf16
 # and the backward stays NVFP4 (recovery path 'nvfp4_backward').
 LATE = {"priority": "late_switch", "switch_step": 351, "max_o": 56}
@@ -119,6 +123,8 @@ def arm_config(regime: str, arm: str, seed: int):
   elif arm in STATIC_RECIPES and regime in WSD8_VARIANTS:
     config.gnmr.update(STATIC_RECIPES[arm][0])
     config.precision.update(STATIC_RECIPES[arm][1])
+    if config.gnmr.priority == "late_switch":
+      config.gnmr.switch_step = config.train.steps - config.train.steps // 8 + 1
   elif arm != "norm":
     raise SystemExit(f"unknown arm {arm!r}; valid: {list(ARMS)} (+ '_perturb'; wsd8 also "
                      f"'static_mxfp8', {list(STATIC_RECIPES)})")
