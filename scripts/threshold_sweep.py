@@ -521,7 +521,8 @@ def render(result: dict) -> str:
               "pi_u, which is 0 here (a static run measures no recovery gap: in int8 / bf16 the "
               "measured pi stays below 0.02, RESULTS.md 'Noise fraction'), so what acts is its "
               "copy of the paper's alarm at alpha / beta (and the non-finite rule); max_o is a "
-              "cap.", ""]
+              "cap. 'hybrid' is 'norm' with that alarm first: a unit over alpha / beta takes "
+              "the budget before the norm level fills it (same spend as 'norm').", ""]
     head = ["priority", "alpha", "beta", "t_lock", "recovered %", "chance %"] + [
         f"x{k:g}" for k in factors] + [f"lat x{lat_k:g}"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -555,10 +556,11 @@ def main():
   parser.add_argument("--t_locks", type=parse_ints, default=parse_ints("0,5"))
   parser.add_argument("--warmup", type=int, default=20)
   parser.add_argument("--factors", type=parse_floats, default=parse_floats("2,5,10,100"))
-  parser.add_argument("--priorities", default="norm,noise",
+  parser.add_argument("--priorities", default="norm,noise,hybrid",
                       help="budgeted priorities replayed beside the paper's rule (their own "
-                           "table): at the default setting and, for 'noise', at alpha 4 / "
-                           "beta 3, each at every --t_locks")
+                           "table): at the default setting and, for 'noise' and 'hybrid' (the "
+                           "ones with the paper's alarm), at alpha 4 / beta 3, each at every "
+                           "--t_locks")
   parser.add_argument("--draws", type=int, default=200, help="spikes per factor")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=os.path.join(REPO, "THRESHOLDS.md"))
@@ -597,7 +599,8 @@ def main():
   defaults = gnmr_config()
   priority_rows = []
   for priority in [p for p in args.priorities.split(",") if p]:
-    alphas = ((defaults.alpha, defaults.beta), (4.0, 3.0)) if priority == "noise" else (
+    alphas = ((defaults.alpha, defaults.beta), (4.0, 3.0)) if priority in (
+        "noise", "hybrid") else (
         (defaults.alpha, defaults.beta),)
     for (alpha, beta), t_lock in itertools.product(alphas, args.t_locks):
       setting = {"alpha": alpha, "beta": beta, "delta": defaults.delta,
