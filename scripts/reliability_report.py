@@ -101,14 +101,15 @@ def run_tests(junit: str) -> list[dict]:
   return rows
 
 
-# The controllers of the detection experiment: the paper's rule, the default priority and the
+# The controllers of the detection experiment: the paper's rule, the default priority, the
 # noise-fraction priority (its alarm at the thresholds it runs with in experiments/: alpha 4,
 # beta 3; the noise fraction itself needs the 'uniform' measuring pass, every 50 steps, so it
-# is measured once in 64 steps here).
+# is measured once in 64 steps here) and 'hybrid' ('norm' with that alarm first).
 PRIORITIES = {
     "gnmr": {"priority": "gnmr"},
     "norm": {"priority": "norm"},
     "noise": {"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5},
+    "hybrid": {"priority": "hybrid", "alpha": 4.0, "beta": 3.0},
 }
 
 
@@ -185,6 +186,9 @@ PRIORITY_TEXT = {
     "noise": "The noise-fraction priority (issue 23): candidates by the measured noise fraction "
              "(above 1/3) or by the paper's alarm at alpha 4 / beta 3 (and non-finite units), "
              "max_o a cap: the mask may be empty.",
+    "hybrid": "'norm' with the paper's alarm first (`gnmr_jax.prioritized('hybrid')`, alpha 4 / "
+              "beta 3): a unit over a threshold (or non-finite) takes the budget before the "
+              "norm level fills it; the same spend as 'norm'.",
 }
 
 
