@@ -28,6 +28,8 @@ SCRIPTS = [
     ("Cost of the 'noise' priority's measuring pass ('uniform', split halves) (issue 23)",
      ["benchmarks/recovery_gap_overhead.py", "--priority", "noise", "--every", "50,100",
       "--block", "100"]),
+    ("Compile time of the controller update against the number of param leaves (issue 19)",
+     ["benchmarks/controller_compile.py"]),
 ]
 
 
