@@ -49,9 +49,11 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # NVFP4 path (low_cost_path='nvfp4'): True quantizes the forward matmul only
   # and runs both backward matmuls in bf16 (the recovery precision).
   config.nvfp4_forward_only = False
-  # NVFP4 path: rounding of the incoming gradient in the backward matmuls,
+  # NVFP4 paths: rounding of the incoming gradient in the backward matmuls,
   # 'stochastic' (unbiased; the noise is keyed by the gradient's bits) or
-  # 'nearest'. Unused when nvfp4_forward_only.
+  # 'nearest'. The 'nvfp4' path ignores it when nvfp4_forward_only; the
+  # 'nvfp4_backward' path (bf16 forward, NVFP4 backward) always reads it and
+  # ignores nvfp4_forward_only.
   config.nvfp4_gradient_rounding = 'stochastic'
   # Bits of the integer grid of the blockwise (DeepSeek-V3-style) path (2..8).
   config.block_bits = 8

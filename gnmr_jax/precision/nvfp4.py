@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from gnmr_jax.precision import explicit_sharding, microscaling, quantize, registry
@@ -95,7 +96,7 @@ def nvfp4_path(forward_only: bool = False, gradient_rounding: str = 'stochastic'
     ([8.0, 8.0, 8.0], [4.0, 4.0, 4.0])
   """
   for name, value in (('forward_only', forward_only), ('backward_only', backward_only)):
-    if not isinstance(value, bool):
+    if not isinstance(value, (bool, np.bool_)):
       raise ValueError(f'nvfp4_path: {name} must be a bool, got {value!r}.')
   if forward_only and backward_only:
     raise ValueError('nvfp4_path: forward_only and backward_only exclude each other (both '
