@@ -40,6 +40,11 @@ def main():
   parser.add_argument("--layers", default="2,4,16")
   parser.add_argument("--width", type=int, default=32)
   args = parser.parse_args()
+  # Compile for real: no persistent cache (run_all passes the environment through), and one
+  # throwaway compile so the first row does not pay the backend's start-up.
+  jax.config.update("jax_enable_compilation_cache", False)
+  compile_seconds(control.gnmr(alpha=2.0, beta=1.5, delta=8, max_o=1, t_lock=0),
+                  {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)})
   print(f"# {datetime.date.today()} {platform.node()} jax {jax.__version__} backend "
         f"{jax.default_backend()}; compile only (XLA:{jax.default_backend()}); d={args.width}")
   print("controller | layers | units | stacked: leaves / s / fusions | per-layer: leaves / s / "

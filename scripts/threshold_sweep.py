@@ -213,7 +213,8 @@ def replay(norms_BxTxN: np.ndarray, *, alpha: float, beta: float, delta: int, ma
     alpha, beta, delta, max_o, t_lock, warmup: the controller setting (gnmr_jax.gnmr).
     priority: 'gnmr' (the paper's rule, gnmr_jax.gnmr) or a budgeted priority of
       gnmr_jax.prioritized ('norm', the default; 'noise', whose noise fraction is 0 here: the
-      static run measured no recovery gap, so only its transient alarm and non-finite rule act).
+      static run measured no recovery gap, so only its transient alarm and non-finite rule act;
+      'hybrid', 'norm' with that alarm first).
 
   Returns:
     numpy arrays [B, T, N]: mask (chosen at step t, used at t + 1), risky, gnmr, delta_gnmr.
