@@ -435,6 +435,8 @@ NV, MX = 'nvfp4_quantize', 'mxfp8_quantize'
      [('convert_element_type', 'convert_element_type'), (f'{NV}(SR)', f'{NV}(RN)'),
       (f'{NV}(RN)', f'{NV}(SR)')]),
     ('mxfp8', mxfp8.mxfp8_dot, [(f'{MX}(RN)', f'{MX}(RN)')] * 3),
+    ('mxfp8_backward_only', path_dot(mxfp8.BACKWARD_PATH),
+     [('convert_element_type', 'convert_element_type')] + [(f'{MX}(RN)', f'{MX}(RN)')] * 2),
 ])
 def test_every_matmul_takes_both_operands_from_its_quantizer(name, dot, want):
   """forward (x, W), dlhs (g, W^T), drhs (x^T, g): each operand comes straight out of a
@@ -477,6 +479,20 @@ def test_forward_only_nvfp4_has_the_bf16_backward_exactly():
   np.testing.assert_array_equal(dw, bf16_dw)
   np.testing.assert_array_equal(fwd_y, nv_y)
   assert not np.array_equal(dx, nv_dx)
+
+
+def test_backward_only_mxfp8_is_the_bf16_forward_and_the_mxfp8_backward_exactly():
+  """'mxfp8_backward': y of the bf16 path, dx and dW of the MXFP8 path, bit for bit."""
+  shape = (64, 64, 40)
+  config = precision.default_precision_config()
+  config.update(mode='static', low_cost_path='mxfp8_backward')
+  _, (y, dx, dw) = _errors(precision.make_policy(config).dot, shape=shape)
+  _, (bf16_y, bf16_dx, _) = _errors(bf16.bf16_dot, shape=shape)
+  _, (mx_y, mx_dx, mx_dw) = _errors(mxfp8.mxfp8_dot, shape=shape)
+  np.testing.assert_array_equal(y, bf16_y)
+  np.testing.assert_array_equal(dx, mx_dx)
+  np.testing.assert_array_equal(dw, mx_dw)
+  assert not np.array_equal(y, mx_y) and not np.array_equal(dx, bf16_dx)
 
 
 def test_backward_only_nvfp4_is_the_bf16_forward_and_the_nvfp4_backward_exactly():

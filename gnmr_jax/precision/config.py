@@ -29,8 +29,8 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # Registered path for recovered units (mode='gnmr' only). With
   # low_cost_path='saved_activation', use 'saved_activation' here to store the
   # recovered units at recovery_saved_activation_bits in the same residual slots.
-  # With low_cost_path='nvfp4', 'nvfp4_backward' (bf16 forward, NVFP4 backward) makes a
-  # 'late_switch' controller NVIDIA's forward-only late switch.
+  # With low_cost_path='nvfp4' ('mxfp8'), 'nvfp4_backward' ('mxfp8_backward'): bf16 forward,
+  # FP4 (FP8) backward, makes a 'late_switch' controller NVIDIA's forward-only late switch.
   config.recovery_path = 'bf16'
   # Bits of the saved activation on the low-cost saved_activation path (2..8).
   config.saved_activation_bits = 4

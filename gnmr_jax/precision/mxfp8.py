@@ -4,7 +4,9 @@ All three matmuls quantize both operands along their own contracting axis
 (forward, dlhs, drhs), round to nearest, re-quantizing the saved ``x`` and ``W``
 for the backward, as NVIDIA's MXFP8 recipe does (E4M3 for every tensor,
 gradients included). Emulated on every backend: the block-scaled values, exact
-in bfloat16, go into a bf16 x bf16 -> float32 ``dot_general``.
+in bfloat16, go into a bf16 x bf16 -> float32 ``dot_general``. The path
+``'mxfp8_backward'`` runs the forward in bf16 and the backward in MXFP8 (the
+recovery path of a forward-only late switch).
 """
 
 from __future__ import annotations
@@ -58,4 +60,10 @@ Returns:
 """
 
 
+# The converse of a forward-only MXFP8 path: the forward in bf16, both backward matmuls in MXFP8,
+# the recovery path of a forward-only late switch ('late_switch' with
+# recovery_path='mxfp8_backward'), as 'nvfp4_backward' is for NVFP4.
+BACKWARD_PATH = path_lib.three_leg_path(quantize.bf16_matmul, mxfp8_matmul, mxfp8_matmul)
+
 registry.register_path('mxfp8', registry.fixed_path(PATH))
+registry.register_path('mxfp8_backward', registry.fixed_path(BACKWARD_PATH))
