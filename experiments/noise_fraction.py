@@ -56,9 +56,8 @@ GAP = {"recovery_gap_every": 50, "recovery_gap_start": 0, "recovery_gap_pass": "
 # wsd8 and its variants (issue 22: which setting makes an NVFP4 gap larger than the noise
 # floor?): 'wsd8rtn' rounds the incoming gradient to nearest instead of stochastically (the
 # biased backward that NVIDIA's recipe avoids with SR); 'wsd8lr' raises the learning rate 3.3x
-# (3e-3 -> 1e-2);
-# 'wsd8long' trains 4x longer (1600 steps, the same 20% decay), where FP4 All the Way's
-# gradient-below-noise effect should show if it shows at this width.
+# (3e-3 -> 1e-2); 'wsd8long' trains 4x longer (1600 steps, the same 20% decay), where FP4 All
+# the Way's gradient-below-noise effect should show if it shows at this width.
 WSD8_VARIANTS = {"wsd8": {}, "wsd8rtn": {"precision": {"nvfp4_gradient_rounding": "nearest"}},
                  "wsd8lr": {"optimizer": {"learning_rate": 1e-2}},
                  "wsd8long": {"train": {"steps": 1600, "eval_every": 200}}}
@@ -74,7 +73,7 @@ PREFLIGHT_EVERY = 10
 # switch step follows train.steps in the variants).
 # 'late_switch_fwd' is NVIDIA's forward-only late switch: from step 351 the forward runs in bf16
 # and the backward stays NVFP4 (recovery path 'nvfp4_backward').
-LATE = {"priority": "late_switch", "switch_step": 351, "max_o": 56}
+LATE = {"priority": "late_switch", "max_o": 56}  # switch_step: set in arm_config
 STATIC_RECIPES = {"last_blocks": ({"priority": "last_blocks", "last_blocks": 1, "max_o": 7}, {}),
                   "late_switch": (LATE, {}),
                   "late_switch_fwd": (LATE, {"recovery_path": "nvfp4_backward"})}
@@ -243,12 +242,17 @@ def _closed_share(results, arm):
       len(seeds)
 
 
+def _floor_diffs(results, arm):
+  """Per seed, the perturbed minus the unperturbed final loss of `arm` (its noise floor)."""
+  seeds = sorted(set(results.get(f"{arm}_perturb", {})) & set(results.get(arm, {})))
+  return [results[f"{arm}_perturb"][k]["eval_loss"] - results[arm][k]["eval_loss"]
+          for k in seeds]
+
+
 def _floor(results, arm):
   """The largest |perturbed - unperturbed| final loss of `arm` (None if not measured)."""
-  seeds = sorted(set(results.get(f"{arm}_perturb", {})) & set(results.get(arm, {})))
-  diffs = [abs(results[f"{arm}_perturb"][k]["eval_loss"] - results[arm][k]["eval_loss"])
-           for k in seeds]
-  return max(diffs) if diffs else None
+  diffs = _floor_diffs(results, arm)
+  return max(abs(d) for d in diffs) if diffs else None
 
 
 def _goal_lines(results, arm="noise", recipes=("last_blocks", "late_switch", "late_switch_fwd")):
@@ -347,10 +351,8 @@ def section() -> str:
         lines.append(f"- paired {a} - {b}: {paired[0]:+.4f} +- {paired[1]:.4f} nats (SE, "
                      f"{paired[2]} seeds)")
     for arm in sorted(a[:-len("_perturb")] for a in results if a.endswith("_perturb")):
-      seeds = sorted(set(results[f"{arm}_perturb"]) & set(results.get(arm, {})))
-      if seeds:
-        diffs = [results[f"{arm}_perturb"][k]["eval_loss"] - results[arm][k]["eval_loss"]
-                 for k in seeds]
+      diffs = _floor_diffs(results, arm)
+      if diffs:
         lines.append(f"- noise floor {arm} (init x (1 + {PERTURBATION:g} z)): perturbed - "
                      f"unperturbed per seed {', '.join(f'{d:+.4f}' for d in diffs)}; largest "
                      f"|difference| {max(abs(d) for d in diffs):.4f} nats")
