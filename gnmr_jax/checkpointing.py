@@ -59,8 +59,21 @@ def leaf_specs(tree) -> dict:
           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _per_unit_trees(leaves: dict) -> bool:
+  """Whether a state's leaves hold the controller's per-unit fields as params-shaped trees
+  (gnmr_jax before 2026-12-02) rather than one array per field (key path '.../window/values')."""
+  return (any("/window/" in k for k in leaves)
+          and not any(k.endswith("/window/values") for k in leaves))
+
+
 def check_leaf_specs(saved: dict, current: dict, workdir: str, step: int) -> None:
   """Raises ValueError naming every leaf whose shape/dtype (or presence) differs."""
+  if _per_unit_trees(saved) and not _per_unit_trees(current):
+    raise ValueError(
+        f"workdir {workdir} holds a checkpoint (step {step}) written by an older gnmr_jax "
+        f"that kept the controller's per-unit statistics as params-shaped trees; this version "
+        f"keeps one array per field (UnitValues) and does not convert them. Resume it with the "
+        f"gnmr_jax that wrote it, or start a new run in another --workdir.")
   diffs = [f"{k}: checkpoint has {saved.get(k, 'no such leaf')}, model has "
            f"{current.get(k, 'no such leaf')}"
            for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]

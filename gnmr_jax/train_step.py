@@ -83,8 +83,12 @@ def gradient_passes(spec: StepSpec, params, batch) -> gap_lib.GradientPasses:
 
 
 def _mask_of(spec: StepSpec, opt_state):
-  ctl = control_state.maybe_controller_state(opt_state)
-  return ctl, (ctl.mask if (spec.routed and ctl is not None) else None)
+  """(the controller's state with flat per-unit fields, or None; the mask tree for the model,
+  or None when the step is not routed)."""
+  ctl = control_state.maybe_controller_state(opt_state, flat=True)
+  if not spec.routed or ctl is None:
+    return ctl, None
+  return ctl, control_state.maybe_controller_state(opt_state).mask
 
 
 def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
@@ -96,7 +100,7 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
   def loss_fn(params):
     if injector is not None:  # reliability tests only (config.faults)
       params = injector.corrupt_params(params, step_number,
-                                       spec.layout.flat(mask) if mask is not None else None)
+                                       spec.layout.flat(ctl.mask) if mask is not None else None)
     logits, sown = spec.model.apply({"params": params}, batch["inputs"], recovery_mask=mask,
                                     mutable=["intermediates"])
     loss, _, _ = cross_entropy(logits, batch["targets"])
@@ -121,7 +125,7 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
              "learning_rate": spec.schedule(state.step),
              "nonfinite": ~(jnp.isfinite(loss) & jnp.isfinite(grad_norm)),
              "side_buffer_dropped": dropped}
-  new_ctl = control_state.maybe_controller_state(opt_state)
+  new_ctl = control_state.maybe_controller_state(opt_state, flat=True)
   if new_ctl is not None:
     metrics.update(controller_metrics(spec.layout, ctl, new_ctl))
     priority_states = control_state.find_states(opt_state, PriorityState)

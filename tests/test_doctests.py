@@ -39,7 +39,7 @@ MODULES = (
 DOCUMENTED = (
     "gnmr_jax.gnmr", "gnmr_jax.GNMRState", "gnmr_jax.GNMRTelemetry", "gnmr_jax.recovery_mask",
     "gnmr_jax.controller_state", "gnmr_jax.prioritized", "gnmr_jax.control.measure",
-    "gnmr_jax.control.UnitLayout", "gnmr_jax.control.from_config",
+    "gnmr_jax.control.UnitLayout", "gnmr_jax.control.UnitValues", "gnmr_jax.control.from_config",
     "gnmr_jax.precision.make_policy", "gnmr_jax.precision.PrecisionPolicy.dot",
     "gnmr_jax.precision.PrecisionPolicy.dot_general", "gnmr_jax.precision.register_path",
     "gnmr_jax.precision.available_paths", "gnmr_jax.precision.path_dot",

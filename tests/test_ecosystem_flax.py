@@ -153,10 +153,11 @@ def test_nnx_sharded_optimizer_recipe_gets_replicated_controller_specs():
       return model, optimizer
 
     model, optimizer = create_sharded()
-    # nnx.state turns the chain's tuple and the GNMRState into States keyed by index/field.
+    # nnx.state turns the chain's tuple and the GNMRState into States keyed by index/field,
+    # and each per-unit field (UnitValues) into one array keyed 'values'.
     specs = nnx.get_partition_spec(nnx.state(optimizer))["opt_state"]
-    assert specs[0]["mask"]["hidden"]["kernel"].get_value() == P()
-    assert specs[0]["window"]["hidden"]["kernel"].get_value() == P()
+    assert specs[0]["mask"]["values"].get_value() == P()
+    assert specs[0]["window"]["values"].get_value() == P()
     assert specs[1][0]["mu"]["hidden"]["kernel"].get_value() == P(None, "model")
     x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
     for scale in SCALES:

@@ -60,12 +60,13 @@ def test_explicit_mesh_layer_sharded_update_is_bitwise_unsharded(mesh_shape, spe
   with jax.set_mesh(mesh):
     shardings = {k: NamedSharding(mesh, specs.get(k, P())) for k in shapes}
     state = jax.jit(tx.init)(jax.device_put(params, shardings))
+    # The per-unit fields are one array each over the 9 units (8 layers of 'stack', 'head'),
+    # whatever the params' sharding: no per-layer leaf that a user could shard along layers.
+    assert state.window.values.shape == (9, 3) and state.mask.values.shape == (9,)
+    assert state.window.values.sharding.is_fully_replicated
     if len(mesh_shape) == 1:
-      # A state whose per-layer leaves a user sharded along the layers, too.
-      state = jax.tree_util.tree_map_with_path(
-          lambda path, x: jax.device_put(x, NamedSharding(mesh, P("data"))) if (
-              "stack" in jax.tree_util.keystr(path)) else x, state)
-      assert not state.window["stack"].sharding.is_fully_replicated
+      # A state a user put on the mesh by hand (explicit replicated NamedShardings).
+      state = jax.device_put(state, NamedSharding(mesh, P()))
     upd = jax.jit(tx.update)
     for g, want in zip(grads_seq, plain_states):
       _, state = upd(jax.device_put(g, shardings), state)
@@ -123,7 +124,7 @@ def test_donated_state_and_remat_grads_give_the_same_masks():
     old = s2
     p2, s2 = donated_remat(p2, s2, x)
     # XLA reuses the donated buffers that an output can alias: the history, the moments.
-    assert old[0].window["a"].is_deleted() and old[1][0].mu["a"].is_deleted()
+    assert old[0].window.values.is_deleted() and old[1][0].mu["a"].is_deleted()
     assert_states_equal(s2, s1)
   assert int(gnmr_jax.controller_state(s1).telemetry.active_unit_steps) > 0
 

@@ -10,7 +10,7 @@ import pytest
 
 from gnmr_jax import checkpointing, faults, train_loop
 from gnmr_jax.config import validate_config
-from gnmr_jax.controller import controller_state
+from gnmr_jax.control.state import maybe_controller_state
 from gnmr_jax.data import make_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,7 +103,7 @@ def test_injected_faults_are_detected_and_nan_never_reaches_params(data, nonfini
     assert np.isinf(m["unit_score"][unit]) and bool(m["nonfinite"]) and np.isfinite(m["loss"])
     assert int(m["num_nonfinite_units"]) == 1
   for s in states:  # params, AdamW moments and the controller's history stay finite
-    ctl = controller_state(s.opt_state)
+    ctl = maybe_controller_state(s.opt_state, flat=True)  # the state's own arrays
     for leaf in jax.tree.leaves((s.params, s.opt_state)):
       if leaf.dtype.kind == "f" and leaf is not None:
         finite = np.isfinite(leaf)

@@ -126,5 +126,14 @@ def test_checkpoint_of_another_config_or_shape_is_refused(trained, record_proper
   with pytest.raises(ValueError, match=r"params/embed: checkpoint has float32\[320, 64\], "
                                        r"model has float32\[256, 64\]"):
     checkpointing.check_leaf_specs(saved, {"params/embed": "float32[256, 64]"}, "w", 6)
-  record_property("bad_inputs_tried", 3)
-  record_property("bad_inputs_refused", 3)
+  # A checkpoint of gnmr_jax before the flat controller state (per-unit fields saved as
+  # params-shaped trees: '.../window/layers/attn/q/kernel' instead of '.../window/values').
+  with open(os.path.join(workdir, "checkpoints", "8", "meta", "metadata"), encoding="utf-8") as f:
+    current = json.load(f)["leaves"]
+  assert sum(k.endswith("/window/values") for k in current) == 1, sorted(current)
+  old = {k.replace("/values", "/layers/attn/q/kernel"): v for k, v in current.items()}
+  with pytest.raises(ValueError, match=r"older gnmr_jax that kept the controller's per-unit "
+                                       r"statistics as params-shaped trees"):
+    checkpointing.check_leaf_specs(old, current, "w", 8)
+  record_property("bad_inputs_tried", 4)
+  record_property("bad_inputs_refused", 4)

@@ -30,4 +30,5 @@ from gnmr_jax.control.state import controller_state as controller_state
 from gnmr_jax.control.state import gap_estimate as gap_estimate
 from gnmr_jax.control.state import recovery_mask as recovery_mask
 from gnmr_jax.control.units import UnitLayout as UnitLayout
+from gnmr_jax.control.units import UnitValues as UnitValues
 from gnmr_jax.control.units import layout_of as layout_of

@@ -69,9 +69,11 @@ class GNMRTelemetry(NamedTuple):
 class GNMRState(NamedTuple):
   """State of :func:`gnmr`.
 
-  Per-unit fields mirror the params tree; each leaf has shape () or (L,) for
-  layer-stacked leaves (``window`` adds a trailing (delta,) axis). Leaves that
-  are not recoverable units hold scalar False/0.
+  Per-unit fields are :class:`gnmr_jax.control.UnitValues`: one array of shape [N] over
+  the N units (``window``: [N, delta]) that reads like a tree mirroring the params, each
+  leaf of shape () or (L,) for layer-stacked leaves (``window`` adds a trailing (delta,)
+  axis) and scalar False/0 at leaves that are not recoverable units.
+  :func:`gnmr_jax.controller_state` gives them as those trees.
 
   Example:
     >>> import jax.numpy as jnp, gnmr_jax
@@ -79,6 +81,8 @@ class GNMRState(NamedTuple):
     >>> state = tx.init({'w': jnp.ones((4, 4)), 'b': jnp.zeros(4)})
     >>> state.window['w'].shape, state.window['b'].shape, int(state.telemetry.num_units)
     ((3,), (), 1)
+    >>> state.window.values.shape  # what is stored: one row per unit
+    (1, 3)
   """
   count: jax.Array        # int32 []: number of updates done
   mask: Any               # bool: recovery mask for the next step
@@ -208,9 +212,7 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
                        f"{[u.path for u in layout[:5]]}.")
 
     def per_unit(dtype, trailing=()):
-      leaves = [jnp.zeros(u.unit_shape + tuple(trailing) if u.is_unit else (), dtype)
-                for u in layout]
-      return jax.tree_util.tree_unflatten(layout.treedef, leaves)
+      return layout.values(jnp.zeros((num_units,) + tuple(trailing), dtype))
 
     return GNMRState(
         count=zero(), mask=per_unit(jnp.bool_), lock=per_unit(jnp.int32),
@@ -222,27 +224,33 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
         telemetry=GNMRTelemetry(jnp.asarray(num_units, jnp.int32), *(zero() for _ in range(7))))
 
   def check_layout(layout, state):
-    # The window leaf of a unit has shape unit_shape + (delta,), a non-unit's
-    # has shape (): comparing them is a static check that init and this update
-    # chose the same units (e.g. Flax NNX inits with Variable boxes and updates
-    # with bare arrays).
-    held = [tuple(jnp.shape(w)) for w in jax.tree_util.tree_leaves(units_lib.unbox(state.window))]
-    want = [u.unit_shape + (delta,) if u.is_unit else () for u in layout]
-    if held != want:
-      diffs = [f"{u.path!r}: update {w}, state {h}" for u, w, h in zip(layout, want, held)
-               if w != h][:3]
+    # A static check that init and this update chose the same units (e.g. Flax NNX inits
+    # with Variable boxes and updates with bare arrays): the layout held in the state against
+    # the gradients'.
+    held = units_lib.unbox(state.window)
+    if not isinstance(held, units_lib.UnitValues):
+      raise ValueError(
+          f"gnmr: the state's per-unit fields are {type(held).__name__}, not UnitValues: a "
+          f"state from another gnmr_jax version (per-unit trees) or one built by hand cannot "
+          f"be updated; start from `init` (checkpoints of the old layout are refused).")
+    if held.layout.unit_shapes() != layout.unit_shapes():
+      got, want = held.layout, layout
+      diffs = [f"{u.path!r}: update {u.unit_shape if u.is_unit else 'not a unit'}, state "
+               f"{h.unit_shape if h.is_unit else 'not a unit'}"
+               for u, h in zip(want, got) if (u.is_unit, u.unit_shape) != (h.is_unit,
+                                                                             h.unit_shape)][:3]
       raise ValueError(
           f"gnmr: the update's unit layout differs from the one at init ({len(want)} leaves "
-          f"with {sum(u.num_units for u in layout)} units in the update, {len(held)} leaves "
-          f"in the state; window shapes differ at {diffs}). The gradients must have the "
-          f"structure of the params given to init.")
+          f"with {want.num_units} units in the update, {len(got)} leaves with "
+          f"{got.num_units} units in the state; unit shapes differ at {diffs}). The gradients "
+          f"must have the structure of the params given to init.")
+    return held.layout
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    layout = layout_of(updates)
-    check_layout(layout, state)
-    if not any(u.is_unit for u in layout):
-      return updates, state._replace(count=state.count + 1)
+    # The rows follow the layout held in the state (made at init), so the state's pytree
+    # structure is the same after every update (jit caches, scan carries, donation).
+    layout = check_layout(layout_of(updates), state)
     step = state.count + 1
     alpha_t = _eval(alpha, state.count)
     beta_t = _eval(beta, state.count)
@@ -295,15 +303,15 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
         active_unit_steps=tel.active_unit_steps + num_active,
         risky_unit_steps=tel.risky_unit_steps + num_risky)
 
-    back = layout.unflat
+    def back(vec, dtype):
+      return layout.values(vec.astype(dtype))
 
     new_state = GNMRState(
         count=step, mask=back(selected, jnp.bool_), lock=back(new_lock, jnp.int32),
         gnmr=back(ratio, jnp.float32), delta_gnmr=back(delta_ratio, jnp.float32),
         score=back(score, jnp.float32), risky=back(risky, jnp.bool_),
         norm=back(norm, jnp.float32), norm_sum=back(new_norm_sum, jnp.float32),
-        norm_count=back(new_norm_count, jnp.int32),
-        window=back(new_window, jnp.float32, (delta,)),
+        norm_count=back(new_norm_count, jnp.int32), window=back(new_window, jnp.float32),
         window_count=back(new_window_count, jnp.int32), telemetry=telemetry)
     return updates, new_state
 

@@ -92,7 +92,7 @@ GAP_PRIORITIES = ("gap", "relgap", "oracle", "noise")
 
 
 class PriorityState(NamedTuple):
-  """State of :func:`prioritized` (per-unit leaves mirror the params like GNMRState's)."""
+  """State of :func:`prioritized` (per-unit fields are UnitValues, like GNMRState's)."""
   controller: gnmr_lib.GNMRState  # paper statistics; mask/lock/budget counts are ours
   gap: Any          # float32: recovery-gap estimate per unit (0 before the first measurement;
                     # 'relgap': of e_u / ||g_rec,u||)
@@ -239,24 +239,23 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
   def update_fn(updates, state, params=None, recovery_gap=None, **extra_args):
     # The inner controller never selects; it gets no lock, so its candidate count stays the
     # paper's alarm count (risky units) instead of counting this controller's locks.
-    lock_tree = state.controller.lock
+    lock_held = state.controller.lock
     inner_state = state.controller._replace(
-        lock=jax.tree_util.tree_map(jnp.zeros_like, lock_tree))
+        lock=jax.tree_util.tree_map(jnp.zeros_like, lock_held))
     updates, ctl = inner.update(updates, inner_state, params, **extra_args)
-    layout = units_lib.resolve_units(updates, unit_selector, axis_selector)
+    # The layout held in the state (the inner update checked the gradients against it).
+    layout = units_lib.unbox(ctl.window).layout
     num_units = layout.num_units
-    if num_units == 0:
-      return updates, state._replace(controller=ctl)
     flat = layout.flat
     step = ctl.count
     norm = flat(ctl.norm)
     prev_mask = flat(state.controller.mask)
-    lock = flat(lock_tree)
+    lock = flat(lock_held)
     gap, gap_count = flat(state.gap), flat(state.gap_count)
     noise_sq, rec_sq = flat(state.noise_sq), flat(state.rec_sq)
 
     if recovery_gap is not None:
-      _check_gap_layout(recovery_gap, state.gap)
+      _check_gap_layout(recovery_gap, layout)
       measured = flat(recovery_gap.gap).astype(jnp.float32)
       if priority == "relgap":  # 0 / 0 = 0; a gap over a zero recovery gradient is not finite
         rec_norm = flat(recovery_gap.rec_norm).astype(jnp.float32)
@@ -326,14 +325,16 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
         num_active=num_active,
         num_locked=jnp.sum(new_lock > 0, dtype=jnp.int32),
         active_unit_steps=state.controller.telemetry.active_unit_steps + num_active)
-    ctl = ctl._replace(mask=layout.unflat(selected, jnp.bool_),
-                       lock=layout.unflat(new_lock, jnp.int32), telemetry=telemetry)
-    return updates, PriorityState(controller=ctl,
-                                  gap=layout.unflat(gap, jnp.float32),
-                                  gap_count=layout.unflat(gap_count, jnp.int32),
-                                  value=layout.unflat(value, jnp.float32),
-                                  noise_sq=layout.unflat(noise_sq, jnp.float32),
-                                  rec_sq=layout.unflat(rec_sq, jnp.float32))
+    def back(vec, dtype):
+      return layout.values(vec.astype(dtype))
+
+    ctl = ctl._replace(mask=back(selected, jnp.bool_), lock=back(new_lock, jnp.int32),
+                       telemetry=telemetry)
+    return updates, PriorityState(controller=ctl, gap=back(gap, jnp.float32),
+                                  gap_count=back(gap_count, jnp.int32),
+                                  value=back(value, jnp.float32),
+                                  noise_sq=back(noise_sq, jnp.float32),
+                                  rec_sq=back(rec_sq, jnp.float32))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -345,15 +346,13 @@ def noise_fraction(noise_sq, rec_sq):
       rec_sq > 0, noise_sq / jnp.where(rec_sq > 0, rec_sq, 1.0), jnp.inf)).astype(jnp.float32)
 
 
-def _layout_description(tree) -> dict:
-  return {units_lib.path_to_str(path): tuple(jnp.shape(leaf))
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def _check_gap_layout(recovery_gap, estimate) -> None:
+def _check_gap_layout(recovery_gap, layout) -> None:
   """A RecoveryGap measured with another unit layout than the controller's is refused: it
   would be folded into the wrong units (or fail to reshape deep inside the update)."""
-  got, want = _layout_description(recovery_gap.gap), _layout_description(estimate)
+  got = {units_lib.path_to_str(path): tuple(jnp.shape(leaf))
+         for path, leaf in jax.tree_util.tree_flatten_with_path(
+             units_lib.unbox(recovery_gap.gap))[0]}
+  want = {u.path: u.unit_shape for u in layout}
   if got == want:
     return
   diffs = [f"{name}: RecoveryGap {got.get(name, 'no such leaf')}, controller "

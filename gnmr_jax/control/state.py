@@ -33,22 +33,22 @@ _PER_UNIT_DTYPES = dict(mask=jnp.bool_, lock=jnp.int32, gnmr=jnp.float32,
                         window=jnp.float32, window_count=jnp.int32)
 
 
+def _as_tree(values, dtype):
+  """A per-unit field (:class:`UnitValues`) as the params-shaped tree, with scalar zeros for
+  masked-out leaves: under ``optax.masked`` / ``multi_transform`` / ``partition`` the params'
+  structure holds leafless ``optax.MaskedNode()`` for params outside gnmr's branch, which
+  cannot be handed to a model as a ``bool[]`` recovery bit."""
+  tree = values.tree() if isinstance(values, units_lib.UnitValues) else values
+  return jax.tree_util.tree_map(
+      lambda x: jnp.zeros((), dtype) if isinstance(x, optax.MaskedNode) else x, tree,
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
 def _readable(state: GNMRState) -> GNMRState:
-  """The state as plain arrays with scalar zeros for masked-out leaves.
-
-  ``nnx.Optimizer`` wraps every opt-state leaf in an ``OptArray`` Variable, and
-  under ``optax.masked`` / ``multi_transform`` / ``partition`` the per-unit
-  trees hold leafless ``optax.MaskedNode()`` for params outside gnmr's branch;
-  neither can be handed to a model as a ``bool[]`` recovery bit.
-  """
+  """The state with plain arrays (``nnx.Optimizer`` wraps every opt-state leaf in an
+  ``OptArray`` Variable) and its per-unit fields as params-shaped trees."""
   state = units_lib.unbox(state)
-
-  def fill(tree, dtype):
-    return jax.tree_util.tree_map(
-        lambda x: jnp.zeros((), dtype) if isinstance(x, optax.MaskedNode) else x, tree,
-        is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-
-  return state._replace(**{field: fill(getattr(state, field), dtype)
+  return state._replace(**{field: _as_tree(getattr(state, field), dtype)
                            for field, dtype in _PER_UNIT_DTYPES.items()})
 
 
@@ -116,13 +116,19 @@ def recovery_mask(opt_state):
   return controller_state(opt_state).mask
 
 
-def maybe_controller_state(opt_state) -> Optional[GNMRState]:
-  """:func:`controller_state`, or None when ``opt_state`` holds no controller (static runs)."""
+def maybe_controller_state(opt_state, *, flat: bool = False) -> Optional[GNMRState]:
+  """:func:`controller_state`, or None when ``opt_state`` holds no controller (static runs).
+
+  With ``flat=True`` the per-unit fields stay :class:`UnitValues` (one [N] array each, boxes
+  removed): what the train step reads its per-unit metrics from without re-concatenating
+  the trees."""
   found = find_states(opt_state, GNMRState)
-  return _readable(found[0]) if len(found) == 1 else None
+  if len(found) != 1:
+    return None
+  return units_lib.unbox(found[0]) if flat else _readable(found[0])
 
 
 def gap_estimate(opt_state) -> Optional[Any]:
   """The recovery-gap estimate tree of the PriorityState inside ``opt_state`` (None if none)."""
   found = find_states(opt_state, PriorityState)
-  return found[0].gap if len(found) == 1 else None
+  return _as_tree(units_lib.unbox(found[0].gap), jnp.float32) if len(found) == 1 else None

@@ -196,8 +196,12 @@ class UnitLayout:
 
   def flat(self, tree, trailing: int = 0):
     """The unit leaves of a per-unit tree as one [N, *trailing] array (replicated); None
-    without units. ``trailing`` counts the axes after the unit axes (the GNMR window's)."""
-    leaves = jax.tree_util.tree_leaves(unbox(tree))
+    without units. ``trailing`` counts the axes after the unit axes (the GNMR window's).
+    A :class:`UnitValues` is already flat: its array is returned as it is."""
+    tree = unbox(tree)
+    if isinstance(tree, UnitValues):
+      return tree.values
+    leaves = jax.tree_util.tree_leaves(tree)
     parts = []
     for leaf, info in zip(leaves, self.leaves):
       if info.is_unit:
@@ -230,11 +234,80 @@ class UnitLayout:
     """A per-unit tree with ``value`` at every unit (zero at other leaves)."""
     return self.unflat(jnp.full((self.num_units,), value, dtype), dtype)
 
+  def values(self, vec) -> "UnitValues":
+    """``vec`` ([N, ...], one row per unit in flat order) as the :class:`UnitValues` of this
+    layout."""
+    return UnitValues(vec, self)
+
+  def unit_shapes(self) -> tuple:
+    """(is_unit, unit_shape) per leaf: what two layouts must share to hold the same units."""
+    return tuple((u.is_unit, u.unit_shape) for u in self.leaves)
+
   def norms(self, tree):
     """The [N] vector of per-unit gradient norms of a params-shaped tree (float32)."""
     parts = [_replicated(jnp.reshape(n, (-1,)))
              for n in unit_norms(jax.tree_util.tree_leaves(unbox(tree)), self.leaves)]
     return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.float32)
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class UnitValues:
+  """Per-unit values held as one array of shape [N, *trailing] (N units in flat order) that
+  reads like the params-shaped per-unit tree: the controller states' per-unit fields.
+
+  Held flat, a controller state has one array per field whatever the number of parameter
+  leaves, so its update compiles to a handful of XLA ops instead of one output per (field,
+  leaf) (a model without ``nn.scan`` has a leaf per layer: benchmarks/controller_compile.py).
+  The layout (names, shapes, the params' structure) is static pytree metadata: ``jax.jit``,
+  ``vmap``, donation, orbax and ``jax.tree.map`` see one array (key path ``.values``).
+
+  Attributes:
+    values: the [N, *trailing] array (any pytree leaf while it is a spec or a stand-in).
+    layout: the :class:`UnitLayout` the rows follow.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> layout = layout_of({'layers': {'w': jnp.zeros((2, 4, 4))}, 'head': jnp.zeros((4, 3))},
+    ...                    layer_axis=r'^layers/')
+    >>> norm = layout.values(jnp.array([1.0, 2.0, 3.0]))
+    >>> norm['layers']['w'].tolist(), float(norm['head']), norm.values.shape
+    ([2.0, 3.0], 1.0, (3,))
+  """
+
+  __slots__ = ("values", "layout")
+
+  def __init__(self, values, layout: "UnitLayout"):
+    self.values = values
+    self.layout = layout
+
+  def tree_flatten_with_keys(self):
+    return ((jax.tree_util.GetAttrKey("values"), self.values),), self.layout
+
+  def tree_flatten(self):
+    return (self.values,), self.layout
+
+  @classmethod
+  def tree_unflatten(cls, layout, children):
+    return cls(children[0], layout)
+
+  def tree(self):
+    """The per-unit tree (mirrors the params; a leaf () or (L,) per unit leaf, plus the
+    trailing axes; scalar 0 / False at other leaves). A spec or other non-array stand-in
+    (a ``PartitionSpec`` of the whole vector) is given to every leaf, a
+    ``ShapeDtypeStruct`` gives the leaves' ShapeDtypeStructs."""
+    values, layout = self.values, self.layout
+    if isinstance(values, jax.ShapeDtypeStruct):
+      return jax.eval_shape(lambda v: layout.unflat(v, v.dtype, v.shape[1:]), values)
+    if not hasattr(values, "dtype") or not hasattr(values, "shape"):
+      return jax.tree_util.tree_unflatten(layout.treedef, [values] * len(layout))
+    return layout.unflat(values, values.dtype, jnp.shape(values)[1:])
+
+  def __getitem__(self, key):
+    return self.tree()[key]
+
+  def __repr__(self):
+    return (f"UnitValues({self.values!r}, {self.layout.num_units} units of "
+            f"{sum(u.is_unit for u in self.layout)} leaves)")
 
 
 def compile_selector(selector, what: str):
