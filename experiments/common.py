@@ -59,6 +59,14 @@ for _bits in (6, 8):
 # The 'noise' priority as issue 23's experiments run it (selection.py, noise_fraction.py): the
 # paper's transient alarm at alpha 4 / beta 3 and pi's EMA decay 0.5 per measurement.
 NOISE_PRIORITY = {"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5}
+# The paper's rule as a transient alarm (the library's config default from 2026-12-02 on): alpha 4
+# / beta 3 with a 2-step lock, the cheapest setting of THRESHOLDS.md's replay that detects every
+# x5 / x10 / x100 spike at <= 1% of clean unit-steps; max_o is a cap, the mask is mostly empty.
+ALARM_PRIORITY = {"priority": "gnmr", "alpha": 4.0, "beta": 3.0, "t_lock": 2}
+# The controller settings every experiment before 2026-12-02 ran with (the library's config
+# defaults then): the experiments pin them, so a resumed sweep keeps its arms' settings whatever
+# the library's defaults become. Arms override them.
+EXPERIMENT_CONTROLLER = {"alpha": 2.0, "beta": 1.5, "t_lock": 5, "max_o": 4, "delta": 8}
 
 
 def spearman(a, b) -> float:

@@ -18,8 +18,9 @@ Regimes:
             gradients), wsd8lr (lr 1e-2), wsd8long (1600 steps): WSD8_VARIANTS below. The
             report checks issue 23's goal where risk moves in each of them.
 
-Arms: static_low (every unit int8, no recovery), static_rec (every unit bf16), norm (today's
-default priority), noise ('noise' priority: pi_u against 1/3 and 1/6, the paper's alarm at
+Arms: static_low (every unit int8, no recovery), static_rec (every unit bf16), norm (the
+default priority until 2026-12-02, at the paper's thresholds alpha 2 / beta 1.5, t_lock 5),
+alarm (the paper's rule at alpha 4 / beta 3, t_lock 2: the config default since), noise ('noise' priority: pi_u against 1/3 and 1/6, the paper's alarm at
 alpha 4 / beta 3, the 'uniform' pass every 50 steps from warmup + 1, split halves), noisenorm
 (the same gate, candidates ranked by the norm level: gnmr.noise_rank='norm'), noisegate (any
 unit's pi over 1/3 makes every unit a candidate, ranked by the norm level: noise_gate='any').
@@ -46,7 +47,7 @@ from experiments import common  # noqa: E402  pylint: disable=g-import-not-at-to
 from experiments import selection_report  # noqa: E402  pylint: disable=g-import-not-at-top
 
 RESULTS = os.path.join(common.RESULTS_DIR, "noise_fraction")
-ARMS = ("static_low", "static_rec", "norm", "noise", "noisenorm", "noisegate")
+ARMS = ("static_low", "static_rec", "norm", "alarm", "noise", "noisenorm", "noisegate")
 PERTURBATION = 1e-7
 NOISE = common.NOISE_PRIORITY
 GAP = {"recovery_gap_every": 50, "recovery_gap_start": 0, "recovery_gap_pass": "uniform",
@@ -85,6 +86,8 @@ def base_config(regime: str):
   if regime == "default":
     import tiny  # pylint: disable=g-import-not-at-top
     config = tiny.get_config()
+    # The controller of every arm before 2026-12-02 ('norm' at the paper's thresholds), pinned.
+    config.gnmr.update(common.EXPERIMENT_CONTROLLER, priority="norm")
   else:
     from experiments import scenario1_saved_activation as scenario1  # pylint: disable=g-import-not-at-top
     config = scenario1.base("cpu")
@@ -121,6 +124,8 @@ def arm_config(regime: str, arm: str, seed: int):
     config.precision.low_cost_path = config.precision.recovery_path
   elif arm == "static_mxfp8" and regime in WSD8_VARIANTS:
     config.precision.update(mode="static", low_cost_path="mxfp8")
+  elif arm == "alarm":  # the paper's rule as a transient alarm (the library default since 12-02)
+    config.gnmr.update(common.ALARM_PRIORITY)
   elif arm in ("noise", "noisenorm", "noisegate"):  # ranked by the norm level / gate 'any'
     config.gnmr.update(NOISE, noise_rank="pi" if arm == "noise" else "norm",
                        noise_gate="any" if arm == "noisegate" else "unit")

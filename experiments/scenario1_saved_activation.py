@@ -58,8 +58,9 @@ def base(scale: str, steps: int = 0):
   config.optimizer.learning_rate = 3e-3
   config.optimizer.grad_clip = 0.0  # arms add their own clipping (Arm.clip)
   config.gnmr.warmup = 20
-  # The paper's controller (these scenarios reproduce the paper); static arms measure with it.
-  config.gnmr.priority = "gnmr"
+  # The paper's controller (these scenarios reproduce the paper) at the paper's thresholds, pinned
+  # (common.EXPERIMENT_CONTROLLER); static arms measure with it.
+  config.gnmr.update(common.EXPERIMENT_CONTROLLER, priority="gnmr")
   config.diagnostics.recovery_gap_every = 0
   config.precision.mode = "static"
   config.precision.saved_activation_scale = "tensor"

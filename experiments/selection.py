@@ -96,6 +96,9 @@ CONTROLLERS = {
     # The paper's transient alarm at the thresholds that catch x5 spikes at 0.26% of unit-steps
     # (THRESHOLDS.md); at the defaults (2, 1.5) it flags 8% of unit-steps and crowds out the fill.
     "hybrid": ({"priority": "hybrid", "alpha": 4.0, "beta": 3.0}, 0),
+    # The paper's rule as a transient alarm at alpha 4 / beta 3, t_lock 2 (the config default
+    # from 2026-12-02): max_o is a cap, the mask mostly empty.
+    "alarm": (common.ALARM_PRIORITY, 0),
     # Lagged oracle: the top max_o by e_u(t), used at t + 1, no lock holding it back.
     "oracle": ({"priority": "oracle", "t_lock": 0}, 1),
     # The hindsight static set (every layer's mlp/down: as many units as layers, max_o = 4 for
