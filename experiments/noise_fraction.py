@@ -9,7 +9,8 @@ initial params multiplied by (1 + 1e-7 z), the noise floor.
 Regimes:
   default   configs/tiny.py as `make train` runs it (int8 low-cost, bf16 recovery, 300 steps).
             The goal: <= 1% of unit-steps recovered and the loss within the seed noise of
-            static int8, where today's default 'norm' recovers ~13% for no measured gain.
+            static int8, where the default until 2026-12-02, 'norm', recovered ~13% for no
+            measured gain.
   nvfp4, mxfp8  the scenario CPU model (experiments/scenario1_saved_activation.py base('cpu'):
             d 128, 4 layers, 200 steps) with the emulated NVFP4 / MXFP8 low-cost path and a
             bf16 recovery path: first the static gaps (is there anything to recover?).
@@ -350,7 +351,8 @@ def section() -> str:
                  ("static_rec", "static_low"), ("last_blocks", "static_low"),
                  ("late_switch", "static_low"), ("late_switch_fwd", "static_low"),
                  ("late_switch_fwd", "late_switch"), ("noise", "last_blocks"),
-                 ("noise", "late_switch")):
+                 ("noise", "late_switch"), ("alarm", "static_low"), ("alarm", "norm"),
+                 ("alarm", "static_rec")):
       paired = _paired(results, a, b)
       if paired:
         lines.append(f"- paired {a} - {b}: {paired[0]:+.4f} +- {paired[1]:.4f} nats (SE, "

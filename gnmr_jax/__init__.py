@@ -2,8 +2,9 @@
 
 Public API:
   gnmr(...)            the paper's controller, an optax transform emitting a recovery mask
-  prioritized(...)     budgeted controllers ranking units by another signal ('norm', the
-                       default of config.gnmr.priority; 'gap', 'hybrid', 'random', 'fixed', ...)
+                       (config.gnmr's default, at alpha 4 / beta 3: a transient alarm)
+  prioritized(...)     budgeted controllers ranking units by another signal ('norm', 'noise',
+                       'gap', 'hybrid', 'random', static sets: 'fixed', 'last_blocks', ...)
   GNMRState            the state that carries every controller's mask, statistics, telemetry
   recovery_mask(s)     the mask tree found inside any optax state
   controller_state(s)  the GNMRState found inside any optax state

@@ -101,13 +101,17 @@ def run_tests(junit: str) -> list[dict]:
   return rows
 
 
-# The controllers of the detection experiment: the paper's rule, the default priority, the
-# noise-fraction priority (its alarm at the thresholds it runs with in experiments/: alpha 4,
-# beta 3; the noise fraction itself needs the 'uniform' measuring pass, every 50 steps, so it
-# is measured once in 64 steps here) and 'hybrid' ('norm' with that alarm first).
+# The controllers of the detection experiment: the default (the paper's rule at the config's
+# alpha 4 / beta 3, t_lock 2), the paper's rule at the paper's thresholds, 'norm' (the default
+# until 2026-12-02, at its settings then), the noise-fraction priority (its alarm at the
+# thresholds it runs with in experiments/: alpha 4, beta 3; the noise fraction itself needs the
+# 'uniform' measuring pass, every 50 steps, so it is measured once in 64 steps here) and
+# 'hybrid' ('norm' with that alarm first).
+PAPER = {"alpha": 2.0, "beta": 1.5, "t_lock": 5}
 PRIORITIES = {
     "gnmr": {"priority": "gnmr"},
-    "norm": {"priority": "norm"},
+    "gnmr_paper": {"priority": "gnmr", **PAPER},
+    "norm": {"priority": "norm", **PAPER},
     "noise": {"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5},
     "hybrid": {"priority": "hybrid", "alpha": 4.0, "beta": 3.0},
 }
@@ -148,7 +152,7 @@ def detection_experiment(steps: int, every: int, priority: str = "gnmr") -> dict
     return faults.detection_report(injected, np.stack(masks), config.gnmr.warmup), len(
         built.unit_names)
 
-  out = {"priority": priority, "steps": steps, "every": every, "warmup": base.gnmr.warmup,
+  out = {"priority": priority, "controller": base.gnmr.priority, "steps": steps, "every": every, "warmup": base.gnmr.warmup,
          "alpha": base.gnmr.alpha, "beta": base.gnmr.beta,
          "max_o": base.gnmr.max_o, "t_lock": base.gnmr.t_lock, "kinds": []}
   clean, num_units = run("")
@@ -176,10 +180,12 @@ def _default_priority() -> str:
 
 DEFAULT_PRIORITY = _default_priority()
 PRIORITY_TEXT = {
-    "gnmr": "The paper's rule (`gnmr_jax.gnmr`): a unit over alpha or beta (or non-finite) is "
-            "a candidate, the top max_o by score run the recovery path, each locked t_lock "
-            "steps.",
-    "norm": "The budgeted default (`gnmr_jax.prioritized('norm')`): the max_o units with the "
+    "gnmr": "The paper's rule (`gnmr_jax.gnmr`) at the config default's thresholds (alpha 4 / "
+            "beta 3, t_lock 2): a unit over alpha or beta (or non-finite) is a candidate, the "
+            "top max_o by score run the recovery path, each locked t_lock steps; max_o is a cap.",
+    "gnmr_paper": "The paper's rule at the paper's thresholds (alpha 2 / beta 1.5, t_lock 5).",
+    "norm": "The budgeted default until 2026-12-02 (`gnmr_jax.prioritized('norm')`, t_lock "
+            "5): the max_o units with the "
             "largest gradient-norm level every step after warmup, non-finite units first. A "
             "finite spike is caught only if it lifts the unit into the top max_o past the locked "
             "ones, and the budget is spent whether or not anything is at risk.",

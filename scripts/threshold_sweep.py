@@ -40,6 +40,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_RECORD_FILE = "threshold_sweep_run.json"
 SETTING_FIELDS = ("alpha", "beta", "delta", "max_o", "t_lock", "warmup")
+PAPER_THRESHOLDS = (2.0, 1.5)  # alpha, beta of the paper (and of the config default until 2026-12-02)
 UNIT_LEAF = "unit_norms"  # the one [N, 1, 1] leaf whose axis-0 slices carry the recorded norms
 
 
@@ -212,7 +213,7 @@ def replay(norms_BxTxN: np.ndarray, *, alpha: float, beta: float, delta: int, ma
     norms_BxTxN: B independent sequences of T steps for N units (float32 after casting).
     alpha, beta, delta, max_o, t_lock, warmup: the controller setting (gnmr_jax.gnmr).
     priority: 'gnmr' (the paper's rule, gnmr_jax.gnmr) or a budgeted priority of
-      gnmr_jax.prioritized ('norm', the default; 'noise', whose noise fraction is 0 here: the
+      gnmr_jax.prioritized ('norm'; 'noise', whose noise fraction is 0 here: the
       static run measured no recovery gap, so only its transient alarm and non-finite rule act;
       'hybrid', 'norm' with that alarm first).
 
@@ -516,7 +517,7 @@ def render(result: dict) -> str:
               f"The same clean run and spike draws replayed through the budgeted priorities "
               f"(`config.gnmr.priority`; the default is '{result['default_priority']}'), max_o "
               f"{result['priority_rows'][0]['max_o']}, delta {result['priority_rows'][0]['delta']}, "
-              f"warmup {result['warmup']}. 'norm' fills max_o every step after warmup by the "
+              f"warmup {result['warmup']}. 'norm' (the default until 2026-12-02) fills max_o every step after warmup by the "
               "gradient-norm level, so its recovered % is its budget; a spike is detected when "
               "the spiked unit enters its mask. 'noise' (issue 23) recovers by its noise fraction "
               "pi_u, which is 0 here (a static run measures no recovery gap: in int8 / bf16 the "
@@ -554,7 +555,7 @@ def main():
   parser.add_argument("--betas", type=parse_floats, default=parse_floats("1.5,2,3"))
   parser.add_argument("--deltas", type=parse_ints, default=parse_ints("8"))
   parser.add_argument("--max_os", type=parse_ints, default=parse_ints("4"))
-  parser.add_argument("--t_locks", type=parse_ints, default=parse_ints("0,5"))
+  parser.add_argument("--t_locks", type=parse_ints, default=parse_ints("0,1,2,5"))
   parser.add_argument("--warmup", type=int, default=20)
   parser.add_argument("--factors", type=parse_floats, default=parse_floats("2,5,10,100"))
   parser.add_argument("--priorities", default="norm,noise,hybrid",
@@ -600,9 +601,10 @@ def main():
   defaults = gnmr_config()
   priority_rows = []
   for priority in [p for p in args.priorities.split(",") if p]:
-    alphas = ((defaults.alpha, defaults.beta), (4.0, 3.0)) if priority in (
-        "noise", "hybrid") else (
-        (defaults.alpha, defaults.beta),)
+    # The paper's thresholds, and the alarm's (the config default since 2026-12-02) for the
+    # priorities that carry the paper's alarm.
+    alphas = (PAPER_THRESHOLDS, (4.0, 3.0)) if priority in ("noise", "hybrid") else (
+        PAPER_THRESHOLDS,)
     for (alpha, beta), t_lock in itertools.product(alphas, args.t_locks):
       setting = {"alpha": alpha, "beta": beta, "delta": defaults.delta,
                  "max_o": defaults.max_o, "t_lock": t_lock, "warmup": args.warmup}

@@ -1,10 +1,11 @@
 """Everything that decides the recovery mask: unit layout, the paper's rule, priorities, the gap.
 
 Modules:
-  units          which leaves are recoverable units; :class:`UnitLayout`, the per-unit codec
-  paper          the paper's rule, exactly (:func:`gnmr`, :class:`GNMRState`)
+  units          which leaves are recoverable units; :class:`UnitLayout`, the per-unit codec;
+                 :class:`UnitValues`, one state field over the units
+  paper          the paper's rule, exactly (:func:`gnmr`, :class:`GNMRState`); config default
   priorities     budgeted controllers ranking by other signals (:func:`prioritized`: 'norm',
-                 the default, 'gap', 'hybrid', 'random', 'fixed', ...)
+                 'noise', 'gap', 'hybrid', 'random', 'fixed', ...)
   recovery_gap   the recovery-gap measurement (:func:`measure`, :class:`GapProbe`)
   state          readers: :func:`recovery_mask`, :func:`controller_state`
   config         :func:`from_config`, the controller of ``config.gnmr``
