@@ -30,6 +30,8 @@ SCRIPTS = [
       "--block", "100"]),
     ("Compile time of the controller update against the number of param leaves (issue 19)",
      ["benchmarks/controller_compile.py"]),
+    ("Compile time of the train step per controller: what a measuring pass adds (issue 23)",
+     ["benchmarks/step_compile.py"]),
 ]
 
 
