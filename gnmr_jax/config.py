@@ -358,6 +358,10 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
         0 <= lower <= g.noise_upper):
       raise ValueError(f"config.gnmr.noise_lower must be in [0, config.gnmr.noise_upper="
                        f"{g.noise_upper!r}], got {lower!r}.")
+    for field, default in (("noise_upper", 1 / 3), ("noise_lower", 1 / 6)):
+      if g.get(field, default) != default and priority != "noise":
+        raise ValueError(f"config.gnmr.{field}={g[field]!r} is read by priority 'noise' only; "
+                         f"config.gnmr.priority is {priority!r}.")
   if (priority == "noise" and "diagnostics" in config and
       config.diagnostics.get("recovery_gap_pass", "recovery") == "recovery"):
     raise ValueError("config.gnmr.priority='noise' needs every unit re-measured: set "

@@ -152,6 +152,14 @@ def test_fixed_priority_from_config_and_its_config_checks():
     config.gnmr.priority = "noise"
     validate_config(config, 1)
     config.gnmr.priority, config.gnmr[field] = "norm", {"noise_rank": "pi"}.get(field, "unit")
+  for field, value in (("noise_upper", 0.5), ("noise_lower", 0.1)):
+    config.gnmr[field] = value
+    with pytest.raises(ValueError, match=f"config.gnmr.{field}={value} is read by priority "
+                                         f"'noise' only; config.gnmr.priority is 'norm'"):
+      validate_config(config, 1)
+    config.gnmr.priority = "noise"
+    validate_config(config, 1)
+    config.gnmr.priority, config.gnmr[field] = "norm", {"noise_upper": 1 / 3}.get(field, 1 / 6)
 
 
 def _imports_of(path):
