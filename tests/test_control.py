@@ -144,22 +144,16 @@ def test_fixed_priority_from_config_and_its_config_checks():
     validate_config(config, 1)
   config.gnmr.switch_step = 0
   config.diagnostics.update(recovery_gap_every=50, recovery_gap_pass="uniform")
-  for field, value in (("noise_rank", "norm"), ("noise_gate", "any")):
+  # (field, a non-default value, its default): each read by priority 'noise' only.
+  for field, value, default in (("noise_rank", "norm", "pi"), ("noise_gate", "any", "unit"),
+                                ("noise_upper", 0.5, 1 / 3), ("noise_lower", 0.1, 1 / 6)):
     config.gnmr[field] = value
-    with pytest.raises(ValueError, match=f"config.gnmr.{field}='{value}' is read by priority "
+    with pytest.raises(ValueError, match=f"config.gnmr.{field}={value!r} is read by priority "
                                          f"'noise' only; config.gnmr.priority is 'norm'"):
       validate_config(config, 1)
     config.gnmr.priority = "noise"
     validate_config(config, 1)
-    config.gnmr.priority, config.gnmr[field] = "norm", {"noise_rank": "pi"}.get(field, "unit")
-  for field, value in (("noise_upper", 0.5), ("noise_lower", 0.1)):
-    config.gnmr[field] = value
-    with pytest.raises(ValueError, match=f"config.gnmr.{field}={value} is read by priority "
-                                         f"'noise' only; config.gnmr.priority is 'norm'"):
-      validate_config(config, 1)
-    config.gnmr.priority = "noise"
-    validate_config(config, 1)
-    config.gnmr.priority, config.gnmr[field] = "norm", {"noise_upper": 1 / 3}.get(field, 1 / 6)
+    config.gnmr.priority, config.gnmr[field] = "norm", default
 
 
 def _imports_of(path):
