@@ -32,6 +32,8 @@ SCRIPTS = [
      ["benchmarks/controller_compile.py"]),
     ("Compile time of the train step per controller: what a measuring pass adds (issue 23)",
      ["benchmarks/step_compile.py"]),
+    ("Compile time of the routed Transformer's init: layer scan unrolled vs rolled (issue 19)",
+     ["benchmarks/init_compile.py"]),
 ]
 
 

@@ -210,6 +210,7 @@ def check_model_fits_mesh(model_cfg: ml_collections.ConfigDict, mesh: Mesh,
 
 def _abstract_variables(model: nn.Module, tokens_shape: tuple[int, int]):
   tokens = jax.ShapeDtypeStruct(tokens_shape, jnp.int32)
+  model = _for_init(model)
   with _rules_for_init():
     return jax.eval_shape(lambda t: model.init(jax.random.key(0), t), tokens)
 
@@ -244,9 +245,17 @@ def init_unboxed(model: nn.Module, rng: jax.Array, tokens: jax.Array):
   `with_sharding_constraint`s, which
   explicit axes turn into assertions on freshly initialised (replicated) values; there the
   rules are set aside for the init and the caller's jit `out_shardings` place p.
+  A gnmr_jax Transformer initialises with its layer scan rolled (`model.for_init`): the same
+  p, bit for bit, from a program that does not grow with depth.
   """
+  model = _for_init(model)
   with _rules_for_init():
     return nn.unbox(model.init(rng, tokens)['params'])
+
+
+def _for_init(model: nn.Module) -> nn.Module:
+  from gnmr_jax.model import for_init  # pylint: disable=g-import-not-at-top  (model imports us)
+  return for_init(model)
 
 
 def _rules_for_init():

@@ -48,6 +48,7 @@ DOCUMENTED = (
     "gnmr_jax.control.units.path_to_str", "gnmr_jax.control.units.resolve_units",
     "gnmr_jax.control.units.unit_norms",
     "gnmr_jax.model.Transformer", "gnmr_jax.model.projection_recover_bits",
+    "gnmr_jax.model.for_init",
     "gnmr_jax.plots", "gnmr_jax.plots.plot_losses", "gnmr_jax.plots.recovery_matrix",
 )
 
