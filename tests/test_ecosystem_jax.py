@@ -75,6 +75,32 @@ def test_explicit_mesh_layer_sharded_update_is_bitwise_unsharded(mesh_shape, spe
     assert leaf.sharding.is_fully_replicated
 
 
+def test_explicit_mesh_state_a_user_sharded_along_units_updates_bitwise_unsharded():
+  """8 units (the 8 layers of 'stack') on 8 devices: a user who device_puts the state's
+  [8, ...] per-unit arrays sharded along the unit axis gets the unsharded run's states (the
+  update reshards its per-unit vectors to replicated, as it does the norms)."""
+  mesh = jax.make_mesh((8,), ("data",))
+  shapes = {"stack": (8, 4, 8)}
+  params = {"stack": jnp.zeros(shapes["stack"])}
+  grads_seq = integer_grads(shapes, steps=8)
+  tx = gnmr_jax.gnmr(**TX_ARGS)
+  plain, plain_states = tx.init(params), []
+  for g in grads_seq:
+    _, plain = jax.jit(tx.update)(g, plain)
+    plain_states.append(plain)
+  assert np.asarray(plain.telemetry.active_unit_steps) > 0, "masks must not be trivially False"
+  with jax.set_mesh(mesh):
+    state = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if np.ndim(x) and
+                                                  np.shape(x)[0] == 8 else P())),
+        jax.jit(tx.init)(params))
+    assert not state.window.values.sharding.is_fully_replicated
+    upd = jax.jit(tx.update)
+    for g, want in zip(grads_seq, plain_states):
+      _, state = upd(g, state)
+      assert_states_equal(state, want)
+
+
 def test_shard_map_data_parallel_update_is_bitwise_unsharded():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
   shapes = {"stack": (8, 4, 8), "head": (8, 8)}
@@ -143,6 +169,13 @@ def test_vmap_over_independent_controllers_matches_each_run():
     singles = [jax.jit(tx.update)(r[t], s)[1] for r, s in zip(runs, singles)]
   for i, single in enumerate(singles):
     assert_states_equal(jax.tree.map(lambda x: x[i], batched), single)
+  # The readers of a batched state: each leaf with the batch axis first, the runs in order.
+  for read in (gnmr_jax.recovery_mask, lambda s: gnmr_jax.controller_state(s).window):
+    got = read(batched)
+    assert got["stack"].shape[:2] == (3, 4) and got["head"].shape[:1] == (3,)
+    want = jax.tree.map(lambda *xs: np.stack(xs), *[read(s) for s in singles])
+    assert_states_equal(got, want)
+  assert any(np.any(np.asarray(m)) for m in jax.tree.leaves(gnmr_jax.recovery_mask(batched)))
 
 
 def primitive_counts(closed_jaxpr):

@@ -197,10 +197,16 @@ class UnitLayout:
   def flat(self, tree, trailing: int = 0):
     """The unit leaves of a per-unit tree as one [N, *trailing] array (replicated); None
     without units. ``trailing`` counts the axes after the unit axes (the GNMR window's).
-    A :class:`UnitValues` is already flat: its array is returned as it is."""
+    A :class:`UnitValues` is already flat: its array is returned (replicated), after a
+    check that its rows follow this layout."""
     tree = unbox(tree)
     if isinstance(tree, UnitValues):
-      return tree.values
+      if tree.layout.unit_shapes() != self.unit_shapes():
+        raise ValueError(
+            f"per-unit values of another unit layout ({tree.layout.num_units} units of "
+            f"{sum(u.is_unit for u in tree.layout)} leaves) read with this one "
+            f"({self.num_units} units of {sum(u.is_unit for u in self)} leaves)")
+      return _replicated(tree.values)
     leaves = jax.tree_util.tree_leaves(tree)
     parts = []
     for leaf, info in zip(leaves, self.leaves):
@@ -274,33 +280,49 @@ class UnitValues:
     ([2.0, 3.0], 1.0, (3,))
   """
 
-  __slots__ = ("values", "layout")
+  __slots__ = ("values", "layout", "trailing")
 
-  def __init__(self, values, layout: "UnitLayout"):
+  def __init__(self, values, layout: "UnitLayout", trailing: int | None = None):
     self.values = values
     self.layout = layout
+    # The axes after the unit axis, fixed where the values are made (inside a vmap they
+    # have no batch axis), so that batched values ([B, N, ...] from jax.vmap(tx.init) or a
+    # scan over states) still read right.
+    if trailing is None and hasattr(values, "shape"):
+      trailing = len(values.shape) - 1
+    self.trailing = trailing
 
   def tree_flatten_with_keys(self):
-    return ((jax.tree_util.GetAttrKey("values"), self.values),), self.layout
+    return ((jax.tree_util.GetAttrKey("values"), self.values),), (self.layout, self.trailing)
 
   def tree_flatten(self):
-    return (self.values,), self.layout
+    return (self.values,), (self.layout, self.trailing)
 
   @classmethod
-  def tree_unflatten(cls, layout, children):
-    return cls(children[0], layout)
+  def tree_unflatten(cls, aux, children):
+    return cls(children[0], *aux)
 
   def tree(self):
     """The per-unit tree (mirrors the params; a leaf () or (L,) per unit leaf, plus the
-    trailing axes; scalar 0 / False at other leaves). A spec or other non-array stand-in
-    (a ``PartitionSpec`` of the whole vector) is given to every leaf, a
-    ``ShapeDtypeStruct`` gives the leaves' ShapeDtypeStructs."""
+    trailing axes; scalar 0 / False at other leaves). Values with leading batch axes
+    ([B, N, ...]: a vmapped init, stacked states) give leaves with those axes first. A spec
+    or other non-array stand-in (a ``PartitionSpec`` of the whole vector) is given to every
+    leaf, a ``ShapeDtypeStruct`` gives the leaves' ShapeDtypeStructs."""
     values, layout = self.values, self.layout
-    if isinstance(values, jax.ShapeDtypeStruct):
-      return jax.eval_shape(lambda v: layout.unflat(v, v.dtype, v.shape[1:]), values)
     if not hasattr(values, "dtype") or not hasattr(values, "shape"):
       return jax.tree_util.tree_unflatten(layout.treedef, [values] * len(layout))
-    return layout.unflat(values, values.dtype, jnp.shape(values)[1:])
+    trailing = len(values.shape) - 1 if self.trailing is None else self.trailing
+    batch = len(values.shape) - 1 - trailing
+    if batch < 0 or values.shape[batch] != layout.num_units:
+      raise ValueError(
+          f"UnitValues of shape {tuple(values.shape)} with {trailing} trailing axes: expected "
+          f"{layout.num_units} units (one per row of the layout) at axis {max(batch, 0)}")
+    unflat = lambda v: layout.unflat(v, v.dtype, v.shape[1:])
+    for _ in range(batch):
+      unflat = jax.vmap(unflat)
+    if isinstance(values, jax.ShapeDtypeStruct):
+      return jax.eval_shape(unflat, values)
+    return unflat(values)
 
   def __getitem__(self, key):
     return self.tree()[key]
