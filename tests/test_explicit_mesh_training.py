@@ -51,8 +51,9 @@ def user_mesh(shape):
 
 
 def run_steps(run, batches):
-  """Metrics of `STEPS` train steps, and the gradients at the initial params on the first
-  batch with every unit on the low-cost (False) or the recovery path (True)."""
+  """Metrics of `STEPS` train steps, the gradients at the initial params on the first
+  batch with every unit on the low-cost (False) or the recovery path (True), the final state
+  and the initial params (host copies)."""
   num_layers = run.model_config.num_layers
 
   def grad(params, batch, bit):
@@ -68,12 +69,13 @@ def run_steps(run, batches):
     first = train_loop.device_batch(run, batches[0])
     grads = {bit: jax.tree.map(np.asarray, grad(state.params, first, jnp.asarray(bit)))
              for bit in (False, True)}
+    initial = jax.tree.map(np.asarray, state.params)  # the steps donate the state
     metrics = []
     for batch in batches:
       state, step_metrics = run.train_step(state, train_loop.device_batch(run, batch))
       metrics.append({k: np.asarray(step_metrics[k]) for k in (
           'loss', 'grad_norm', 'unit_mask_used', 'unit_mask_next')})
-  return metrics, grads, state
+  return metrics, grads, state, initial
 
 
 @pytest.fixture(scope='module')
@@ -81,8 +83,7 @@ def single_device(data_dirs, data):
   config = config_for(data_dirs)  # one device, auto axes: the reference program
   run = train_loop.build(config, data=data, devices=jax.devices()[:1])
   batches = [next(it) for it in [data.train_iterator()] for _ in range(STEPS)]
-  metrics, grads, _ = run_steps(run, batches)
-  params = jax.jit(run.init_state)(jax.random.key(0)).params
+  metrics, grads, _, params = run_steps(run, batches)
   max_logit = float(np.max(np.abs(jax.jit(run.model.apply)({'params': params},
                                                             batches[0]['inputs']))))
   num_params = sum(p.size for p in jax.tree.leaves(params))
@@ -102,7 +103,7 @@ def test_explicit_mesh_routed_steps_match_single_device(parallelism, single_devi
   assert set(mesh.axis_types) == {AxisType.Explicit}  # jax.make_mesh's default
   run = train_loop.build(config, data=data, mesh=mesh)
   assert run.config.mesh.axis_types == 'explicit'
-  got, got_grads, state = run_steps(run, batches)
+  got, got_grads, state, _ = run_steps(run, batches)
   model_cfg = run.model_config
   tokens = batches[0]['inputs'].size
   # Gradients: a reordered float32 sum can flip the rounding of a quantized operand (an
@@ -327,16 +328,15 @@ def test_issue_scenario_value_and_grad_on_a_user_mesh(shape, scenario_reference)
   assert grads_bytes == per_device
 
 
-def restore_newest(workdir, config, data, mesh=None):
-  """The newest checkpoint in `workdir` restored into the state of a run on `mesh` (None:
-  the mesh `config.mesh` describes): (step, host arrays, the restored leaves' shardings)."""
-  run = train_loop.build(config, data=data, mesh=mesh)
+def restore_newest(workdir, run):
+  """The newest checkpoint in `workdir` restored into the state of `run` (a train_loop.build
+  result): (step, host arrays, the restored leaves' shardings)."""
   ckpt = checkpointing.Checkpointer(workdir, 2)
   with sharding.activation_sharding(run.mesh):
     abstract = jax.eval_shape(run.init_state, jax.random.key(0))
     step, state, _ = ckpt.restore(checkpointing.abstract_like(abstract, run.state_shardings),
                                   checkpointing.config_fingerprint(run.config,
-                                                                   data.vocab_size))
+                                                                   run.data.vocab_size))
   ckpt.close()
   return step, jax.tree.map(np.asarray, state), [x.sharding for x in jax.tree.leaves(state)]
 
@@ -355,14 +355,17 @@ def test_checkpoints_restore_across_axis_types_and_resume_exactly(tmp_path, data
       os.path.join(w, metrics_log.METRICS_FILE))]
   whole = train_loop.train_and_evaluate(config, str(tmp_path / 'whole'), data=data,
                                         mesh=user_mesh(shape))
+  # The runs that restore (built once: each restore reads the newest checkpoint afresh).
+  auto_run = train_loop.build(auto, data=data)
+  explicit_run = train_loop.build(config, data=data, mesh=user_mesh(shape))
   for writer in ('explicit', 'auto'):
     workdir = str(tmp_path / writer)
     first = train_loop.train_and_evaluate(
         auto if writer == 'auto' else config, workdir, data=data, stop_at=2,
         mesh=None if writer == 'auto' else user_mesh(shape))
     assert first['preempted'] and first['step'] == 2
-    step_a, state_a, shardings_a = restore_newest(workdir, auto, data)
-    step_e, state_e, shardings_e = restore_newest(workdir, config, data, user_mesh(shape))
+    step_a, state_a, shardings_a = restore_newest(workdir, auto_run)
+    step_e, state_e, shardings_e = restore_newest(workdir, explicit_run)
     assert step_a == step_e == 2
     jax.tree.map(np.testing.assert_array_equal, state_a, state_e)
     assert {s.mesh.axis_types for s in shardings_a} == {(AxisType.Auto,) * 3}
@@ -375,8 +378,8 @@ def test_checkpoints_restore_across_axis_types_and_resume_exactly(tmp_path, data
     if writer == 'explicit':  # one axis type throughout: exact
       assert losses(workdir) == losses(tmp_path / 'whole') and len(losses(workdir)) == 4
       assert second['eval_loss'] == whole['eval_loss']
-      _, got, _ = restore_newest(workdir, config, data, user_mesh(shape))
-      _, want, _ = restore_newest(str(tmp_path / 'whole'), config, data, user_mesh(shape))
+      _, got, _ = restore_newest(workdir, explicit_run)
+      _, want, _ = restore_newest(str(tmp_path / 'whole'), explicit_run)
       jax.tree.map(np.testing.assert_array_equal, got, want)
     else:
       assert all(np.isfinite(losses(workdir)))
