@@ -582,9 +582,14 @@ def main():
   norms = norms_from_gnmr(log["gnmr"])
   steps, num_units = norms.shape
   from gnmr_jax.config import gnmr_config  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.control.config import t_lock_of  # pylint: disable=g-import-not-at-top
   config = (run["record"] or {}).get("config")
-  # A reused workdir without a record is assumed to have run the library defaults.
-  run_gnmr = config["gnmr"] if config else gnmr_config()
+  if not config:
+    raise SystemExit(f"threshold_sweep.py: {workdir} holds no run record, so the controller "
+                     "settings it ran with are unknown: use a fresh --workdir")
+  run_gnmr = ml_collections.ConfigDict(config["gnmr"])
+  run_gnmr.t_lock = t_lock_of(run_gnmr)
   check = cross_check(log, norms, {k: run_gnmr[k] for k in SETTING_FIELDS})
   spikes = draw_spikes(num_units, steps, args.warmup, args.draws, args.seed)
   rows = []
@@ -599,6 +604,7 @@ def main():
           + ", ".join(f"x{s['factor']:g} {s['detected_pct']:.0f}%" for s in row["spikes"]),
           file=sys.stderr)
   defaults = gnmr_config()
+  defaults.t_lock = t_lock_of(defaults)
   priority_rows = []
   for priority in [p for p in args.priorities.split(",") if p]:
     # The paper's thresholds, and the alarm's (the config default since 2026-12-02) for the
