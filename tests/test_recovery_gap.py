@@ -136,7 +136,7 @@ def test_train_step_logs_the_gap_against_an_independent_recovery_gradient(tmp_pa
     def loss(p):
       logits = model.apply({"params": p}, jnp.asarray(batch["inputs"]))
       return train_loop.cross_entropy(logits, jnp.asarray(batch["targets"]))[0]
-    return jax.grad(loss)(state.params)
+    return jax.jit(jax.grad(loss))(state.params)
 
   g_low, g_rec = grads(run.model), grads(rec_model)
   want = []
