@@ -66,14 +66,21 @@ def _per_unit_trees(leaves: dict) -> bool:
           and not any(k.endswith("/window/values") for k in leaves))
 
 
-def check_leaf_specs(saved: dict, current: dict, workdir: str, step: int) -> None:
-  """Raises ValueError naming every leaf whose shape/dtype (or presence) differs."""
+def check_state_layout(saved: dict, current: dict, workdir: str, step: int) -> None:
+  """Raises ValueError if the checkpoint holds the controller's per-unit fields as params-shaped
+  trees (gnmr_jax before 2026-12-02), which this version does not convert. Checked before the
+  config fingerprint: resuming with the old run's config would not help."""
   if _per_unit_trees(saved) and not _per_unit_trees(current):
     raise ValueError(
         f"workdir {workdir} holds a checkpoint (step {step}) written by an older gnmr_jax "
         f"that kept the controller's per-unit statistics as params-shaped trees; this version "
         f"keeps one array per field (UnitValues) and does not convert them. Resume it with the "
         f"gnmr_jax that wrote it, or start a new run in another --workdir.")
+
+
+def check_leaf_specs(saved: dict, current: dict, workdir: str, step: int) -> None:
+  """Raises ValueError naming every leaf whose shape/dtype (or presence) differs."""
+  check_state_layout(saved, current, workdir, step)
   diffs = [f"{k}: checkpoint has {saved.get(k, 'no such leaf')}, model has "
            f"{current.get(k, 'no such leaf')}"
            for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
@@ -157,6 +164,8 @@ class Checkpointer:
       except Exception as e:  # pylint: disable=broad-except
         self._corrupted(step, f"its meta is unreadable ({type(e).__name__}: {e})")
         continue
+      if "leaves" in meta:
+        check_state_layout(dict(meta["leaves"]), expected, self.workdir, step)
       check_fingerprint(saved_fingerprint, fingerprint, self.workdir)
       if "leaves" in meta:
         check_leaf_specs(dict(meta["leaves"]), expected, self.workdir, step)

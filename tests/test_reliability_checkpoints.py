@@ -110,7 +110,7 @@ def test_flipped_bytes_and_bad_checksums_are_detected(trained, tmp_path, record_
   record_property("faults_detected", 3)
 
 
-def test_checkpoint_of_another_config_or_shape_is_refused(trained, record_property):
+def test_checkpoint_of_another_config_or_shape_is_refused(trained, tmp_path, record_property):
   config, data, workdir, _, _, _ = trained
   other = tiny_run_config(config.data, **{"model.num_layers": 3})
   with pytest.raises(ValueError, match=r"model.num_layers: checkpoint has 2, config has 3"):
@@ -135,5 +135,15 @@ def test_checkpoint_of_another_config_or_shape_is_refused(trained, record_proper
   with pytest.raises(ValueError, match=r"older gnmr_jax that kept the controller's per-unit "
                                        r"statistics as params-shaped trees"):
     checkpointing.check_leaf_specs(old, current, "w", 8)
-  record_property("bad_inputs_tried", 4)
-  record_property("bad_inputs_refused", 4)
+  # Such a run restored with another config (the old default priority 'norm'): the layout is
+  # named first, since resuming with the old config would not get past it.
+  older = copy_run(trained, tmp_path, "older")
+  meta_path = os.path.join(older, "checkpoints", "8", "meta", "metadata")
+  meta = json.load(open(meta_path))
+  meta["leaves"] = old
+  json.dump(meta, open(meta_path, "w"))
+  with pytest.raises(ValueError, match=r"per-unit statistics as params-shaped trees"):
+    restore(older, config, data, fingerprint_config=tiny_run_config(
+        config.data, **{"gnmr.priority": "norm"}))
+  record_property("bad_inputs_tried", 5)
+  record_property("bad_inputs_refused", 5)
