@@ -26,6 +26,7 @@ import optax
 from gnmr_jax import checkpointing, metrics_log, sharding
 from gnmr_jax import faults as faults_lib
 from gnmr_jax.config import validate_config
+from gnmr_jax.control import config as control_config
 from gnmr_jax.control import recovery_gap as gap_lib
 from gnmr_jax.control import units as units_lib
 from gnmr_jax.data import make_data
@@ -81,6 +82,8 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   sharding.MESH_AXES)`); `run.config.mesh` then describes it.
   """
   config = ml_collections.ConfigDict(config.to_dict())
+  if config.gnmr.get("t_lock", 0) is None:  # the priority's default, recorded as resolved
+    config.gnmr.t_lock = control_config.t_lock_of(config.gnmr)
   if mesh is not None:
     if devices is not None:
       raise ValueError("build: pass devices= or mesh=, not both (the mesh holds its devices).")

@@ -112,8 +112,8 @@ PRIORITIES = {
     "gnmr": {"priority": "gnmr"},
     "gnmr_paper": {"priority": "gnmr", **PAPER},
     "norm": {"priority": "norm", **PAPER},
-    "noise": {"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5},
-    "hybrid": {"priority": "hybrid", "alpha": 4.0, "beta": 3.0},
+    "noise": {"priority": "noise", "alpha": 4.0, "beta": 3.0, "gap_decay": 0.5, "t_lock": 2},
+    "hybrid": {"priority": "hybrid", "alpha": 4.0, "beta": 3.0, "t_lock": 2},
 }
 
 
@@ -123,6 +123,7 @@ def detection_experiment(steps: int, every: int, priority: str = "gnmr") -> dict
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tiny  # pylint: disable=g-import-not-at-top
   from gnmr_jax import faults, train_loop  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.control.config import t_lock_of  # pylint: disable=g-import-not-at-top
   from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
 
   base = tiny.get_config("runlocal")
@@ -154,7 +155,7 @@ def detection_experiment(steps: int, every: int, priority: str = "gnmr") -> dict
 
   out = {"priority": priority, "controller": base.gnmr.priority, "steps": steps, "every": every, "warmup": base.gnmr.warmup,
          "alpha": base.gnmr.alpha, "beta": base.gnmr.beta,
-         "max_o": base.gnmr.max_o, "t_lock": base.gnmr.t_lock, "kinds": []}
+         "max_o": base.gnmr.max_o, "t_lock": t_lock_of(base.gnmr), "kinds": []}
   clean, num_units = run("")
   out["clean"] = clean
   out["num_units"] = num_units

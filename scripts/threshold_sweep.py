@@ -427,6 +427,7 @@ def render(result: dict) -> str:
   v, run, check = result["versions"], result["run"], result["cross_check"]
   factors = result["factors"]
   cfg = run["config"]
+  from gnmr_jax.control.config import t_lock_of  # pylint: disable=g-import-not-at-top
   grid = result["grid"]
   varying = [k for k in ("alpha", "beta", "delta", "max_o", "t_lock") if len(grid[k]) > 1]
   fixed = ", ".join(f"{k} {grid[k][0]:g}" for k in ("alpha", "beta", "delta", "max_o", "t_lock")
@@ -454,9 +455,7 @@ def render(result: dict) -> str:
         f"{cfg['optimizer']['warmup_steps']}), grad clip {cfg['optimizer']['grad_clip']:g}; the "
         f"run's own controller setting: alpha {cfg['gnmr']['alpha']:g}, beta "
         f"{cfg['gnmr']['beta']:g}, delta {cfg['gnmr']['delta']}, max_o {cfg['gnmr']['max_o']}, "
-        f"t_lock {cfg['gnmr']['t_lock']}, warmup {cfg['gnmr']['warmup']}.")
-  else:
-    lines.append("Reused workdir without a record of its config (not trained by this script).")
+        f"t_lock {t_lock_of(cfg['gnmr'])}, warmup {cfg['gnmr']['warmup']}.")
   summary = run["summary"]
   if not run["reused"]:
     origin = "trained by this invocation"

@@ -28,8 +28,9 @@ def t_lock_of(g) -> int:
     >>> t_lock_of(g)
     1
   """
-  if g.get("t_lock") is not None:
-    return g.t_lock
+  t_lock = g.get("t_lock")
+  if t_lock is not None:
+    return t_lock
   return DEFAULT_T_LOCK.get(g.get("priority", "gnmr"), PAPER_T_LOCK)
 
 
