@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gnmr_jax
-from gnmr_jax import sharding, train_loop
+from gnmr_jax import train_loop
 from gnmr_jax import train_step as step_lib
 from tests.tolerances import assert_allclose, chain_ulps, f32_atol, transformer_reductions
 from tests.train_helpers import small_config
@@ -20,12 +20,7 @@ def test_module_level_step_is_the_run_step_and_compiles_once(data_dirs):
                                       "diagnostics.recovery_gap_start": 2})
   run = train_loop.build(config, devices=jax.devices()[:1])
   assert isinstance(run.spec, step_lib.StepSpec) and run.spec.probe.every == 2
-  # The module-level function under the jit options `build` gives it: the same program, so
-  # it compiles once (the second is a persistent-cache hit) and must give the same bits.
-  direct = jax.jit(functools.partial(step_lib.train_step, spec=run.spec),
-                   in_shardings=(run.state_shardings, run.batch_sharding),
-                   out_shardings=(run.state_shardings, sharding.replicated(run.mesh)),
-                   donate_argnums=0)
+  direct = jax.jit(functools.partial(step_lib.train_step, spec=run.spec))
   it = run.data.train_iterator()
   state = run.init_state(jax.random.key(0))
   copy = jax.tree.map(jnp.copy, state)  # run.train_step donates its state
