@@ -178,3 +178,22 @@ def test_selection_report_noise_floor_before_column_and_paired_refresh_lines():
   lines = sr.comparisons(arms)
   assert "minus norm level (priority 'norm'): -0.0250 ± 0.0050 (n=2" in lines
   assert 'changed 0/2, 0/2 times' in lines
+
+
+def test_selection_report_noise_goal_needs_the_paired_seeds_to_agree_not_only_the_floor():
+  from experiments import selection_report as sr  # pylint: disable=g-import-not-at-top
+  runs = lambda *losses: [dict(seed=i, eval_loss=l, recovered_unit_steps_pct=12.8)
+                          for i, l in enumerate(losses)]
+  base = {'static_low': runs(2.30, 2.30, 2.30), 'static_rec': runs(2.10, 2.10, 2.10),
+          'norm': runs(2.20, 2.20, 2.20), 'norm_perturb': runs(2.21, 2.20, 2.20)}
+  verdict = lambda noise, floor: sr.goals_noise(
+      dict(base, noise=runs(*noise), noise_perturb=runs(*floor)), 'noise').splitlines()[1]
+  # +0.04 on every seed (diffs 0.039, 0.040, 0.041: SE 0.00058, 69 SE) inside a 0.05 floor: a
+  # result, not chaos.
+  assert verdict((2.239, 2.240, 2.241), (2.289, 2.24, 2.241)).startswith('- NOT met')
+  # +0.01 +- 0.01 (diffs 0.0, 0.0, 0.03: 1 SE) inside the 0.05 floor: chaos, met.
+  assert verdict((2.20, 2.20, 2.23), (2.25, 2.20, 2.23)).startswith('- met')
+  # The same spread outside its floor (0.001 and 'norm''s 0.01): NOT met.
+  assert verdict((2.20, 2.20, 2.23), (2.201, 2.20, 2.23)).startswith('- NOT met')
+  # Lower than 'norm' on average: met whatever the floor.
+  assert verdict((2.19, 2.19, 2.20), (2.19, 2.19, 2.20)).startswith('- met')
