@@ -294,6 +294,30 @@ def _goal_lines(results, arm="noise", recipes=("last_blocks", "late_switch", "la
           f"{paired_text}; noise floor {floor_text} nats. {detail}"]
 
 
+def _nothing_hurts_lines(results, arms=("alarm", "noise")):
+  """Issue 23's goal where nothing hurts (a regime whose static gap is within 3 seed SDs):
+  each of `arms` (the default alarm, the adaptive priority) recovers <= 1% of unit-steps and
+  ends within the seed noise of static_low: |mean paired loss difference| <= the seed SD of
+  static_low over the same seeds (what changing the seed alone moves)."""
+  out = []
+  for arm in arms:
+    seeds = sorted(set(results.get(arm, {})) & set(results.get("static_low", {})))
+    if len(seeds) < 2:
+      continue
+    diff, se, n = selection_report.paired([results[arm][k] for k in seeds],
+                                          [results["static_low"][k] for k in seeds])
+    sd = statistics.stdev(results["static_low"][k]["eval_loss"] for k in seeds)
+    spend = statistics.mean(results[arm][k]["recovered_unit_steps_pct"] for k in seeds)
+    checks = {"<= 1% of unit-steps": spend <= 1.0, "within the seed SD of static_low":
+              abs(diff) <= sd}
+    verdict = "MET" if all(checks.values()) else "NOT met"
+    detail = "; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in checks.items())
+    out.append(f"- goal (issue 23, where nothing hurts): {verdict} by '{arm}': {spend:.2f}% of "
+               f"unit-steps; paired {arm} - static_low {diff:+.4f} +- {se:.4f} nats ({n} seeds),"
+               f" seed SD of static_low {sd:.4f}. {detail}")
+  return out
+
+
 def _preflight_lines(regime):
   root = os.path.join(RESULTS, "preflight", regime)
   if not os.path.isdir(root):
@@ -366,6 +390,8 @@ def section() -> str:
     lines += _closed_lines(results)
     if regime in WSD8_VARIANTS:
       lines += _goal_lines(results)
+    else:
+      lines += _nothing_hurts_lines(results)
     lines += _preflight_lines(regime)
     dates = sorted({r["date"] for rows in results.values() for r in rows.values()})
     devices = sorted({r["device"] for rows in results.values() for r in rows.values()})

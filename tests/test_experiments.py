@@ -197,3 +197,21 @@ def test_selection_report_noise_goal_needs_the_paired_seeds_to_agree_not_only_th
   assert verdict((2.20, 2.20, 2.23), (2.201, 2.20, 2.23)).startswith('- NOT met')
   # Lower than 'norm' on average: met whatever the floor.
   assert verdict((2.19, 2.19, 2.20), (2.19, 2.19, 2.20)).startswith('- met')
+
+
+def test_noise_fraction_report_goal_where_nothing_hurts():
+  from experiments import noise_fraction as nf  # pylint: disable=g-import-not-at-top
+  runs = lambda losses, pct=0.0: {i: dict(seed=i, eval_loss=l, recovered_unit_steps_pct=pct)
+                                  for i, l in enumerate(losses)}
+  low = (2.10, 2.12, 2.14)  # seed SD 0.02
+  goal = nf._nothing_hurts_lines  # pylint: disable=protected-access
+  met, spends = goal({'static_low': runs(low), 'alarm': runs((2.11, 2.11, 2.15), 0.5),
+                      'noise': runs((2.10, 2.12, 2.14), 1.5)})
+  drifts, = goal({'static_low': runs(low), 'alarm': runs((2.13, 2.15, 2.17), 0.5)})
+  # alarm - static_low: diffs +0.01, -0.01, +0.01: mean +0.0033 <= 0.02 at 0.5%.
+  assert met.startswith('- goal (issue 23, where nothing hurts): MET by \'alarm\'') \
+      and '+0.0033' in met and 'seed SD of static_low 0.0200' in met
+  assert spends.startswith('- goal (issue 23, where nothing hurts): NOT met by \'noise\'') \
+      and '<= 1% of unit-steps: no' in spends
+  # +0.03 on every seed: more than the seed SD.
+  assert 'NOT met' in drifts and 'within the seed SD of static_low: no' in drifts
