@@ -158,6 +158,9 @@ def run_one(regime, arm, seed, data=None):
   workdir = common.run_dir("noise_fraction", regime, arm, seed)
   t0 = time.time()
   summary = train_loop.train_and_evaluate(config, workdir, data=data)
+  if summary.get("preempted"):  # SIGTERM: checkpointed; the next sweep resumes this run
+    raise SystemExit(f"[noise_fraction] {regime} {arm} seed{seed} preempted at step "
+                     f"{summary['step']} (checkpoint in {workdir}); rerun to resume")
   routed = config.precision.mode == "gnmr"
   from gnmr_jax import metrics_log  # pylint: disable=g-import-not-at-top
   curve = [[r["step"], r["eval_loss"]] for r in metrics_log.read_jsonl(
