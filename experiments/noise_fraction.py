@@ -315,9 +315,11 @@ def _nothing_hurts_lines(results, arms=("alarm", "noise")):
               abs(diff) <= sd}
     verdict = "MET" if all(checks.values()) else "NOT met"
     detail = "; ".join(f"{k}: {'yes' if v else 'no'}" for k, v in checks.items())
+    floor = _floor(results, "static_low")  # context only: the verdict uses the seed SD
+    floor_text = f", noise floor of static_low {floor:.4f}" if floor is not None else ""
     out.append(f"- goal (issue 23, where nothing hurts): {verdict} by '{arm}': {spend:.2f}% of "
                f"unit-steps; paired {arm} - static_low {diff:+.4f} +- {se:.4f} nats ({n} seeds),"
-               f" seed SD of static_low {sd:.4f}. {detail}")
+               f" seed SD of static_low {sd:.4f}{floor_text}. {detail}")
   return out
 
 
