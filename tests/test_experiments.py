@@ -215,3 +215,20 @@ def test_noise_fraction_report_goal_where_nothing_hurts():
       and '<= 1% of unit-steps: no' in spends
   # +0.03 on every seed: more than the seed SD.
   assert 'NOT met' in drifts and 'within the seed SD of static_low: no' in drifts
+
+
+def test_noise_fraction_report_gives_shares_of_a_resolved_static_gap_only():
+  from experiments import noise_fraction as nf  # pylint: disable=g-import-not-at-top
+  runs = lambda losses, pct=0.0: {i: dict(seed=i, eval_loss=l, recovered_unit_steps_pct=pct)
+                                  for i, l in enumerate(losses)}
+  closed = nf._closed_lines  # pylint: disable=protected-access
+  # Gap +0.10, +0.10, +0.13 (0.11 +- 0.01: 11 SE): shares given; the arm closes
+  # (0.03 + 0.05 + 0.07) / (0.10 + 0.10 + 0.13) = 0.4545.
+  resolved = {'static_low': runs((2.30, 2.20, 2.33)), 'static_rec': runs((2.20, 2.10, 2.20)),
+              'norm': runs((2.27, 2.15, 2.26), 12.5)}
+  assert closed(resolved) == [
+      '- norm: closes 0.45 of the static gap (pooled over 3 seeds) at 12.50% of unit-steps']
+  # Gap +0.02, -0.02, +0.03: 0.01 +- 0.015, under 2 SE: no shares.
+  noise = dict(resolved, static_rec=runs((2.28, 2.22, 2.30)))
+  lines = closed(noise)
+  assert len(lines) == 1 and lines[0].startswith('- shares of the static gap not given')
