@@ -34,6 +34,8 @@ SCRIPTS = [
      ["benchmarks/step_compile.py"]),
     ("Compile time of the routed Transformer's init: layer scan unrolled vs rolled (issue 19)",
      ["benchmarks/init_compile.py"]),
+    ("Step-time cost of each arm of the NVFP4 experiment, wsd8long (issue 23)",
+     ["benchmarks/arm_step_cost.py", "--rounds", "3", "--warm", "25"]),
 ]
 
 

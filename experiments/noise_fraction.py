@@ -24,7 +24,10 @@ default priority until 2026-12-02, at the paper's thresholds alpha 2 / beta 1.5,
 alarm (the paper's rule at alpha 4 / beta 3, t_lock 2: the config default since), noise ('noise' priority: pi_u against 1/3 and 1/6, the paper's alarm at
 alpha 4 / beta 3, the 'uniform' pass every 50 steps from warmup + 1, split halves), noisenorm
 (the same gate, candidates ranked by the norm level: gnmr.noise_rank='norm'), noisegate (any
-unit's pi over 1/3 makes every unit a candidate, ranked by the norm level: noise_gate='any').
+unit's pi over 1/3 makes every unit a candidate, ranked by the norm level: noise_gate='any'),
+and the same-budget baselines of issue 23's list (max_o and t_lock 5 as for 'norm'): gnmr (the
+paper's rule at its thresholds alpha 2 / beta 1.5), random (max_o units drawn uniformly), gap
+(the measured recovery gap, 'recovery' pass every 50 steps, as in RESULTS.md "Selection").
 
   python experiments/noise_fraction.py --regimes default --seeds 3
   python experiments/noise_fraction.py --part report     # prints the RESULTS.md section
@@ -48,7 +51,8 @@ from experiments import common  # noqa: E402  pylint: disable=g-import-not-at-to
 from experiments import selection_report  # noqa: E402  pylint: disable=g-import-not-at-top
 
 RESULTS = os.path.join(common.RESULTS_DIR, "noise_fraction")
-ARMS = ("static_low", "static_rec", "norm", "alarm", "noise", "noisenorm", "noisegate")
+ARMS = ("static_low", "static_rec", "norm", "alarm", "noise", "noisenorm", "noisegate", "gnmr",
+        "random", "gap")
 PERTURBATION = 1e-7
 NOISE = common.NOISE_PRIORITY
 GAP = {"recovery_gap_every": 50, "recovery_gap_start": 0, "recovery_gap_pass": "uniform",
@@ -127,6 +131,11 @@ def arm_config(regime: str, arm: str, seed: int):
     config.precision.update(mode="static", low_cost_path="mxfp8")
   elif arm == "alarm":  # the paper's rule as a transient alarm (the library default since 12-02)
     config.gnmr.update(common.ALARM_PRIORITY)
+  elif arm in ("gnmr", "random"):  # the paper's rule at its thresholds; the same-budget draw
+    config.gnmr.priority = arm
+  elif arm == "gap":  # the measured recovery gap ('recovery' pass every 50 steps), as in Selection
+    config.gnmr.priority = "gap"
+    config.diagnostics.update(recovery_gap_every=GAP["recovery_gap_every"], recovery_gap_start=0)
   elif arm in ("noise", "noisenorm", "noisegate"):  # ranked by the norm level / gate 'any'
     config.gnmr.update(NOISE, noise_rank="pi" if arm == "noise" else "norm",
                        noise_gate="any" if arm == "noisegate" else "unit")
@@ -388,7 +397,9 @@ def section() -> str:
                  ("late_switch_fwd", "late_switch"), ("noise", "last_blocks"),
                  ("noise", "late_switch"), ("norm", "last_blocks"), ("norm", "late_switch"),
                  ("norm", "late_switch_fwd"), ("alarm", "static_low"), ("alarm", "norm"),
-                 ("alarm", "static_rec")):
+                 ("alarm", "static_rec"), ("gnmr", "static_low"), ("gnmr", "norm"),
+                 ("gnmr", "late_switch"), ("random", "static_low"), ("random", "norm"),
+                 ("gap", "static_low"), ("gap", "norm"), ("gap", "late_switch")):
       paired = _paired(results, a, b)
       if paired:
         lines.append(f"- paired {a} - {b}: {paired[0]:+.4f} +- {paired[1]:.4f} nats (SE, "

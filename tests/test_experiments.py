@@ -232,3 +232,19 @@ def test_noise_fraction_report_gives_shares_of_a_resolved_static_gap_only():
   noise = dict(resolved, static_rec=runs((2.28, 2.22, 2.30)))
   lines = closed(noise)
   assert len(lines) == 1 and lines[0].startswith('- shares of the static gap not given')
+
+
+def test_noise_fraction_same_budget_baselines_run_the_named_controller_at_norms_budget():
+  # Issue 23's list of arms at equal budget: the paper's rule at its thresholds, random and the
+  # measured gap, each at the regime's cap and 'norm''s lock, and a config train.py accepts.
+  from experiments import noise_fraction as nf  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.config import validate_config  # pylint: disable=g-import-not-at-top
+  norm = nf.arm_config('wsd8long', 'norm', seed=3)
+  for arm, every in (('gnmr', 0), ('random', 0), ('gap', 50)):
+    config = nf.arm_config('wsd8long', arm, seed=3)
+    validate_config(config)
+    assert config.gnmr.priority == arm and config.diagnostics.recovery_gap_every == every
+    for field in ('max_o', 't_lock', 'alpha', 'beta', 'warmup'):
+      assert config.gnmr[field] == norm.gnmr[field], (arm, field)
+    assert config.train.seed == config.data.seed == 3 and config.train.steps == 1600
+  assert nf.arm_config('wsd8long', 'gap', 0).diagnostics.recovery_gap_pass == 'recovery'
