@@ -2,7 +2,8 @@
 
 Builds the train step of every arm of experiments/noise_fraction.py in a wsd8 regime (8 layers,
 d 128, emulated NVFP4 low-cost path, bf16 recovery), runs each arm's own step for --warm steps
-(past the controller's warmup, so the mask is what the arm holds in training), then times blocks
+(past the controller's warmup: the mask after warmup, on one repeated batch, so a spike rule
+fires less than over a real run), then times blocks
 of --block steps in interleaved rounds (a block is a multiple of the measuring period K = 50, so
 it holds the 'noise' and 'gap' arms' share of measured steps). Prints per arm the median time
 per step and `<arm>_over_static_low`, the ratio to static NVFP4 (per round, then the median).
@@ -43,8 +44,8 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 from experiments import noise_fraction  # noqa: E402  pylint: disable=g-import-not-at-top
 from gnmr_jax import sharding, train_loop  # noqa: E402  pylint: disable=g-import-not-at-top
 
-ARMS = ("static_low", "static_low_unrolled", "static_rec", "last_blocks", "late_switch", "late_switch_fwd", "alarm",
-        "norm", "gnmr", "random", "noise", "gap")
+ARMS = ("static_low", "static_low_unrolled", "static_rec", "last_blocks", "late_switch",
+        "late_switch_fwd", "alarm", "norm", "gnmr", "random", "noise", "gap")
 LATE = ("late_switch", "late_switch_fwd")
 
 
@@ -55,6 +56,8 @@ def build(regime, arm, data, after_switch=False):
   config = noise_fraction.arm_config(regime, "static_low" if unrolled else arm, seed=0)
   if unrolled:
     config.model.scan_unroll = config.model.num_layers
+  if config.precision.mode == "static":  # static_low's pre-flight measurements: not a cost of it
+    config.diagnostics.update(recovery_gap_every=0, recovery_gap_split=False)
   if after_switch:
     config.gnmr.switch_step = 1
   config.logging.unit_log_every = 0
@@ -95,6 +98,9 @@ def main(argv=None):
   every = noise_fraction.GAP["recovery_gap_every"]
   if args.block % every or args.block < 1:
     raise SystemExit(f"--block must be a positive multiple of the measuring period {every}")
+  warmup = noise_fraction.base_config(args.regime).gnmr.warmup
+  if args.warm <= warmup + 1:
+    raise SystemExit(f"--warm must pass the controller's warmup ({warmup} steps): got {args.warm}")
   from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
   data = make_data(noise_fraction.base_config(args.regime).data)
   names = []

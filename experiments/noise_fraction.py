@@ -25,9 +25,11 @@ alarm (the paper's rule at alpha 4 / beta 3, t_lock 2: the config default since)
 alpha 4 / beta 3, the 'uniform' pass every 50 steps from warmup + 1, split halves), noisenorm
 (the same gate, candidates ranked by the norm level: gnmr.noise_rank='norm'), noisegate (any
 unit's pi over 1/3 makes every unit a candidate, ranked by the norm level: noise_gate='any'),
-and the same-budget baselines of issue 23's list (max_o and t_lock 5 as for 'norm'): gnmr (the
-paper's rule at its thresholds alpha 2 / beta 1.5), random (max_o units drawn uniformly), gap
-(the measured recovery gap, 'recovery' pass every 50 steps, as in RESULTS.md "Selection").
+and the baselines of issue 23's list at 'norm''s cap (max_o, t_lock 5; the cap, not the spend:
+each arm's recovered unit-steps are reported): gnmr (the paper's rule at its thresholds alpha 2
+/ beta 1.5), random (max_o units drawn uniformly, redrawn as locks expire: every t_lock + 1
+steps), gap (the measured recovery gap, 'recovery' pass every 50 steps, as in RESULTS.md
+"Selection").
 
   python experiments/noise_fraction.py --regimes default --seeds 3
   python experiments/noise_fraction.py --part report     # prints the RESULTS.md section
@@ -399,6 +401,7 @@ def section() -> str:
                  ("norm", "late_switch_fwd"), ("alarm", "static_low"), ("alarm", "norm"),
                  ("alarm", "static_rec"), ("gnmr", "static_low"), ("gnmr", "norm"),
                  ("gnmr", "late_switch"), ("random", "static_low"), ("random", "norm"),
+                 ("random", "late_switch"),
                  ("gap", "static_low"), ("gap", "norm"), ("gap", "late_switch")):
       paired = _paired(results, a, b)
       if paired:
