@@ -9,14 +9,72 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA compilation cache for the test session: both xdist workers and every
 # subprocess test (train.py, preemption, two processes, notebooks, doctests, benchmark scripts)
 # inherit it through the environment, so the same tiny programs compile once instead of in
-# every interpreter. Kept in .pytest_cache (not committed; a fresh clone starts empty). Set
-# GNMR_TEST_COMPILATION_CACHE=0 to compile everything afresh.
-if os.environ.get("GNMR_TEST_COMPILATION_CACHE", "1") != "0":
-  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache",
-      "jax_compilation_cache"))
+# every interpreter. GNMR_TEST_COMPILATION_CACHE picks where it lives:
+#   'machine' (default): $GNMR_JAX_CACHE_DIR or ~/.cache/gnmr_jax, beside the corpus: kept across
+#       clones and runs on one machine (like ccache), so a run after another compiles only what
+#       changed. Entries are keyed by the program, the compile options and the jax/XLA versions,
+#       so a hit is the executable XLA would build; the oldest entries go past MACHINE_CACHE_BYTES.
+#   'clone': the clone's .pytest_cache (a fresh clone starts empty: a cold run, the number to
+#       quote for a fresh machine);
+#   '0': none, everything compiles afresh.
+# The run's last lines say how many entries the cache had at the start (warm or cold).
+CACHE_MODES = ("machine", "clone", "0")
+MACHINE_CACHE_BYTES = 2 << 30
+_CACHE_MODE = os.environ.get("GNMR_TEST_COMPILATION_CACHE", "machine")
+if _CACHE_MODE not in CACHE_MODES:
+  raise ValueError(f"GNMR_TEST_COMPILATION_CACHE={_CACHE_MODE!r}; valid: {list(CACHE_MODES)}")
+if _CACHE_MODE != "0":
+  if _CACHE_MODE == "clone":
+    _cache_root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               ".pytest_cache")
+  else:
+    _cache_root = os.environ.get("GNMR_JAX_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "gnmr_jax")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                        os.path.join(_cache_root, "jax_compilation_cache"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+
+def _cache_entries(path):
+  """[(mtime, bytes, file)] of the compilation cache's executables (jax names them *-cache)."""
+  try:
+    names = os.listdir(path)
+  except OSError:
+    return []
+  out = []
+  for name in names:
+    if name.endswith("-cache"):
+      full = os.path.join(path, name)
+      try:
+        st = os.stat(full)
+      except OSError:
+        continue
+      out.append((st.st_mtime, st.st_size, full))
+  return out
+
+
+def prune_cache(path, max_bytes):
+  """Deletes the oldest-written entries until the cache holds at most max_bytes // 2; returns
+  how many it deleted. (jax's own bound, jax_compilation_cache_max_size, scans the directory
+  on every write.)"""
+  entries = sorted(_cache_entries(path))
+  total = sum(size for _, size, _ in entries)
+  if total <= max_bytes:
+    return 0
+  deleted = 0
+  for _, size, full in entries:
+    if total <= max_bytes // 2:
+      break
+    for f in (full, full[:-len("-cache")] + "-atime"):
+      try:
+        os.remove(f)
+      except OSError:
+        pass
+    total -= size
+    deleted += 1
+  return deleted
+
 
 import pytest  # noqa: E402  (after XLA_FLAGS on purpose)
 
@@ -74,7 +132,14 @@ _current = {"file": None}
 _totals = {}
 
 
+_cache_at_start = {}
+
+
 def pytest_configure(config):
+  cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if cache_dir and not hasattr(config, "workerinput"):  # the controller, before the workers
+    _cache_at_start["pruned"] = prune_cache(cache_dir, MACHINE_CACHE_BYTES)
+    _cache_at_start["entries"] = len(_cache_entries(cache_dir))
   if not _REPORT:
     return
   from jax import monitoring  # pylint: disable=g-import-not-at-top
@@ -105,7 +170,19 @@ def pytest_unconfigure(config):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-  if not _REPORT or hasattr(config, "workerinput"):
+  if hasattr(config, "workerinput"):
+    return
+  cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  if not cache_dir:
+    terminalreporter.write_line("jax compilation cache: off (GNMR_TEST_COMPILATION_CACHE=0)")
+  elif _cache_at_start:
+    start, end = _cache_at_start["entries"], len(_cache_entries(cache_dir))
+    terminalreporter.write_line(
+        f"jax compilation cache ({_CACHE_MODE}, {cache_dir}): {start} entries at the start, "
+        f"{end} at the end, {_cache_at_start['pruned']} oldest pruned: "
+        + ("a cold run" if start == 0 else "a warm start (GNMR_TEST_COMPILATION_CACHE=clone "
+                                           "times a cold run)"))
+  if not _REPORT:
     return
   import json  # pylint: disable=g-import-not-at-top
   merged = {}

@@ -3,6 +3,8 @@ its train step once, and rebuilding the same config compiles nothing new once th
 compilation cache is warm. Fails when the step recompiles per call or per build (e.g. a Python
 value that changes every step reaching the program as a constant), which is also what keeps the
 suite fast."""
+import os
+
 import jax
 import pytest
 
@@ -49,3 +51,21 @@ def test_train_step_compiles_once_per_run_and_a_rebuild_compiles_nothing(tmp_pat
   assert len(second.of("init_state")) == 1, str(second)
   compiled = [c for c in second.compiles if not c.persistent_cache_hit]
   assert not compiled, f"a rebuild of the same config compiled anew:\n{second}"
+
+
+def test_the_machine_cache_is_pruned_oldest_first_to_half_its_bound(tmp_path):
+  """conftest.prune_cache: past the bound, the oldest-written executables (and their atime
+  files) go until half the bound is left; under it nothing is touched."""
+  import conftest  # pylint: disable=g-import-not-at-top  (tests/conftest.py, already loaded)
+  sizes = [300, 100, 200, 400, 50]  # written in this order, one second apart
+  for i, size in enumerate(sizes):
+    (tmp_path / f"jit_f-{i}-cache").write_bytes(b"x" * size)
+    (tmp_path / f"jit_f-{i}-atime").write_bytes(b"t")
+    os.utime(tmp_path / f"jit_f-{i}-cache", (1000 + i, 1000 + i))
+  (tmp_path / "unrelated.txt").write_bytes(b"y" * 5000)
+  assert conftest.prune_cache(str(tmp_path), 1050) == 0  # 1050 bytes held: at the bound
+  # Over a bound of 1000: drop 300, 100, 200 (oldest first) to reach <= 500; 400 + 50 stay.
+  assert conftest.prune_cache(str(tmp_path), 1000) == 3
+  left = sorted(p.name for p in tmp_path.iterdir())
+  assert left == ["jit_f-3-atime", "jit_f-3-cache", "jit_f-4-atime", "jit_f-4-cache",
+                  "unrelated.txt"]
