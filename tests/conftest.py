@@ -178,10 +178,11 @@ def pytest_terminal_summary(terminalreporter, config):
   elif _cache_at_start:
     start, end = _cache_at_start["entries"], len(_cache_entries(cache_dir))
     terminalreporter.write_line(
-        f"jax compilation cache ({_CACHE_MODE}, {cache_dir}): {start} entries at the start, "
-        f"{end} at the end, {_cache_at_start['pruned']} oldest pruned: "
-        + ("a cold run" if start == 0 else "a warm start (GNMR_TEST_COMPILATION_CACHE=clone "
-                                           "times a cold run)"))
+        f"jax compilation cache ({_CACHE_MODE}, {cache_dir}): {start} entries at the start "
+        f"({_cache_at_start['pruned']} oldest pruned before), {max(end - start, 0)} written by "
+        f"this run (programs compiled anew; a cold run writes them all)"
+        + ("" if _CACHE_MODE == "clone" else
+           "; GNMR_TEST_COMPILATION_CACHE=clone times a cold run"))
   if not _REPORT:
     return
   import json  # pylint: disable=g-import-not-at-top
