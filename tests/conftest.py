@@ -21,6 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 CACHE_MODES = ("machine", "clone", "0")
 MACHINE_CACHE_BYTES = 2 << 30
 _CACHE_MODE = os.environ.get("GNMR_TEST_COMPILATION_CACHE", "machine")
+_CACHE_MODE = {"1": "machine"}.get(_CACHE_MODE, _CACHE_MODE)  # '1': on, as before 2026-12-06
 if _CACHE_MODE not in CACHE_MODES:
   raise ValueError(f"GNMR_TEST_COMPILATION_CACHE={_CACHE_MODE!r}; valid: {list(CACHE_MODES)}")
 if _CACHE_MODE != "0":
@@ -121,15 +122,18 @@ def _plumbing_without_xla_optimizations(request):
 # Sums jax's own duration events (tracing, lowering to MLIR, XLA compilation; a persistent-cache
 # hit replaces the compilation) per test file, in each process that runs tests (xdist workers
 # write one JSON each under .pytest_cache/compile_report; subprocess tests are not counted), and
-# prints the totals at the end of the run. Off by default: it only observes.
+# prints the totals at the end of the run, and the XLA compilations per jitted function (how many,
+# how many the persistent cache served, seconds). Off by default: it only observes.
 _REPORT = os.environ.get("GNMR_TEST_COMPILE_REPORT", "0") != "0"
 _REPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            ".pytest_cache", "compile_report")
 _EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
            "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
            "/jax/core/compile/backend_compile_duration": "compile"}
-_current = {"file": None}
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_current = {"file": None, "hit": False}
 _totals = {}
+_programs = {}  # jitted function name -> [compilations, persistent-cache hits, seconds]
 
 
 _cache_at_start = {}
@@ -144,11 +148,22 @@ def pytest_configure(config):
     return
   from jax import monitoring  # pylint: disable=g-import-not-at-top
 
-  def listener(name, secs, **_):
+  def on_event(name, **_):
+    if name == _CACHE_HIT_EVENT:  # inside the compile event that follows (CompileLog's rule)
+      _current["hit"] = True
+
+  def listener(name, secs, **kwargs):
     kind = _EVENTS.get(name)
     if kind and _current["file"]:
       row = _totals.setdefault(_current["file"], {"trace": 0.0, "lower": 0.0, "compile": 0.0})
       row[kind] += secs
+    if kind == "compile":
+      program = _programs.setdefault(str(kwargs.get("fun_name")), [0, 0, 0.0])
+      program[0] += 1
+      program[1] += _current["hit"]
+      program[2] += secs
+      _current["hit"] = False
+  monitoring.register_event_listener(on_event)
   monitoring.register_event_duration_secs_listener(listener)
   if not hasattr(config, "workerinput"):
     import shutil  # pylint: disable=g-import-not-at-top
@@ -166,7 +181,7 @@ def pytest_unconfigure(config):
   os.makedirs(_REPORT_DIR, exist_ok=True)
   name = getattr(config, "workerinput", {}).get("workerid", "main")
   with open(os.path.join(_REPORT_DIR, f"{name}.json"), "w", encoding="utf-8") as f:
-    json.dump(_totals, f)
+    json.dump({"files": _totals, "programs": _programs}, f)
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -186,13 +201,18 @@ def pytest_terminal_summary(terminalreporter, config):
   if not _REPORT:
     return
   import json  # pylint: disable=g-import-not-at-top
-  merged = {}
+  merged, programs = {}, {}
   for fname in sorted(os.listdir(_REPORT_DIR)) if os.path.isdir(_REPORT_DIR) else []:
     with open(os.path.join(_REPORT_DIR, fname), encoding="utf-8") as f:
-      for test_file, row in json.load(f).items():
-        into = merged.setdefault(test_file, {"trace": 0.0, "lower": 0.0, "compile": 0.0})
-        for k, v in row.items():
-          into[k] += v
+      report = json.load(f)
+    for test_file, row in report["files"].items():
+      into = merged.setdefault(test_file, {"trace": 0.0, "lower": 0.0, "compile": 0.0})
+      for k, v in row.items():
+        into[k] += v
+    for name, row in report["programs"].items():
+      into = programs.setdefault(name, [0, 0, 0.0])
+      for i, v in enumerate(row):
+        into[i] += v
   total = {k: sum(r[k] for r in merged.values()) for k in ("trace", "lower", "compile")}
   terminalreporter.write_line(
       f"jax time in test processes: trace {total['trace']:.0f} s, lower {total['lower']:.0f} s, "
@@ -200,6 +220,13 @@ def pytest_terminal_summary(terminalreporter, config):
   for test_file, row in sorted(merged.items(), key=lambda kv: -sum(kv[1].values()))[:20]:
     terminalreporter.write_line(f"  {test_file}: trace {row['trace']:.1f} s, lower "
                                 f"{row['lower']:.1f} s, compile {row['compile']:.1f} s")
+  small = [row for row in programs.values() if row[0] and row[2] / row[0] < 0.2]
+  terminalreporter.write_line(
+      f"XLA compilations by jitted function (count, persistent-cache hits, seconds); programs "
+      f"averaging < 0.2 s (eager ops, mostly): {sum(r[0] for r in small)} compilations, "
+      f"{sum(r[2] for r in small):.0f} s")
+  for name, (count, hits, secs) in sorted(programs.items(), key=lambda kv: -kv[1][2])[:15]:
+    terminalreporter.write_line(f"  {name}: {count} ({hits} hits), {secs:.1f} s")
 
 
 # --- scheduling over xdist workers (`make test`: --dist loadfile --no-loadscope-reorder) --------
