@@ -24,6 +24,7 @@ _CACHE_MODE = os.environ.get("GNMR_TEST_COMPILATION_CACHE", "machine")
 _CACHE_MODE = {"1": "machine"}.get(_CACHE_MODE, _CACHE_MODE)  # '1': on, as before 2026-12-06
 if _CACHE_MODE not in CACHE_MODES:
   raise ValueError(f"GNMR_TEST_COMPILATION_CACHE={_CACHE_MODE!r}; valid: {list(CACHE_MODES)}")
+_OUR_CACHE_DIR = None  # set below; only a cache this file chose is ever pruned
 if _CACHE_MODE != "0":
   if _CACHE_MODE == "clone":
     _cache_root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -31,8 +32,8 @@ if _CACHE_MODE != "0":
   else:
     _cache_root = os.environ.get("GNMR_JAX_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "gnmr_jax")
-  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                        os.path.join(_cache_root, "jax_compilation_cache"))
+  _OUR_CACHE_DIR = os.path.join(_cache_root, "jax_compilation_cache")
+  os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _OUR_CACHE_DIR)
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
@@ -142,7 +143,8 @@ _cache_at_start = {}
 def pytest_configure(config):
   cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")
   if cache_dir and not hasattr(config, "workerinput"):  # the controller, before the workers
-    _cache_at_start["pruned"] = prune_cache(cache_dir, MACHINE_CACHE_BYTES)
+    _cache_at_start["pruned"] = (prune_cache(cache_dir, MACHINE_CACHE_BYTES)
+                                 if cache_dir == _OUR_CACHE_DIR else 0)
     _cache_at_start["entries"] = len(_cache_entries(cache_dir))
   if not _REPORT:
     return
