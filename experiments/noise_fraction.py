@@ -18,6 +18,9 @@ Regimes:
             against bf16, with NVIDIA's static recipes as arms; variants wsd8rtn (RTN
             gradients), wsd8lr (lr 1e-2), wsd8long (1600 steps): WSD8_VARIANTS below. The
             report checks issue 23's goal where risk moves in each of them.
+  wsd8gpu   issue 23's item 5: wsd8 at the 60m size (d 512, 8 layers, ffn 1376: 25M parameters
+            besides the byte embeddings; seq 256, batch 64), 1000 steps, for a lent GPU:
+            scripts/gpu_noise_fraction.sh runs its deciding arms (a dry run on CPU: --smoke).
 
 Arms: static_low (every unit int8, no recovery), static_rec (every unit bf16), norm (the
 default priority until 2026-12-02, at the paper's thresholds alpha 2 / beta 1.5, t_lock 5),
@@ -68,7 +71,9 @@ GAP = {"recovery_gap_every": 50, "recovery_gap_start": 0, "recovery_gap_pass": "
 # the Way's gradient-below-noise effect should show if it shows at this width.
 WSD8_VARIANTS = {"wsd8": {}, "wsd8rtn": {"precision": {"nvfp4_gradient_rounding": "nearest"}},
                  "wsd8lr": {"optimizer": {"learning_rate": 1e-2}},
-                 "wsd8long": {"train": {"steps": 1600, "eval_every": 200}}}
+                 "wsd8long": {"train": {"steps": 1600, "eval_every": 200}},
+                 "wsd8gpu": {"train": {"steps": 1000, "eval_every": 250}}}
+GPU_REGIMES = ("wsd8gpu",)  # scenario1's 'gpu' scale: the 60m model, seq 256, batch 64
 REGIMES = ("default", "nvfp4", "mxfp8", *WSD8_VARIANTS)
 # wsd8: issue 22's first-measurement setting (the quick probe's): 8 layers, 400 steps,
 # warmup-stable-decay (linear decay over the last 20%); NVFP4 (RTN forward, SR gradients) is the
@@ -97,7 +102,7 @@ def base_config(regime: str):
     config.gnmr.update(common.EXPERIMENT_CONTROLLER, priority="norm")
   else:
     from experiments import scenario1_saved_activation as scenario1  # pylint: disable=g-import-not-at-top
-    config = scenario1.base("cpu")
+    config = scenario1.base("gpu" if regime in GPU_REGIMES else "cpu")
     path = "nvfp4" if regime in WSD8_VARIANTS else regime
     config.precision.update(mode="gnmr", low_cost_path=path, recovery_path="bf16")
     config.gnmr.priority = "norm"
@@ -151,7 +156,29 @@ def arm_config(regime: str, arm: str, seed: int):
     raise SystemExit(f"unknown arm {arm!r}; valid: {list(ARMS)} (+ '_perturb'; wsd8 also "
                      f"'static_mxfp8', {list(STATIC_RECIPES)})")
   config.train.seed = config.data.seed = seed
+  if SMOKE["on"]:
+    shrink(config)
   return config
+
+
+SMOKE = {"on": False}  # --smoke: every config shrunk to seconds (dry runs of the device script)
+
+
+def shrink(config):
+  """The same regime and arm at a size that trains in seconds on CPU: a dry run of the code path
+  (model, paths, controller, measuring pass, late switch) before device time is spent, never a
+  result (--smoke writes under its own --results / --runs)."""
+  config.model.update(d_model=64, ffn_dim=128, num_heads=2, num_kv_heads=2)
+  config.data.update(seq_len=32, batch_size=4, num_eval_batches=2)
+  config.train.steps, config.train.eval_every = 16, 8
+  config.optimizer.warmup_steps = 2
+  config.gnmr.warmup = 2
+  if config.gnmr.get("priority") == "late_switch":
+    config.gnmr.switch_step = config.train.steps - config.train.steps // 8 + 1
+  if config.diagnostics.recovery_gap_every:
+    config.diagnostics.recovery_gap_every = min(config.diagnostics.recovery_gap_every, 4)
+  if config.logging.unit_log_every:
+    config.logging.unit_log_every = min(config.logging.unit_log_every, 4)
 
 
 def result_path(regime, arm, seed):
@@ -503,12 +530,31 @@ def preflight(regime, seed, top=7, decay=0.5, upper=1 / 3):
 
 
 def main(argv=None):
+  global RESULTS  # pylint: disable=global-statement  (--results moves every reader)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("run", "report", "preflight"), default="run")
+  parser.add_argument("--part", choices=("run", "report", "preflight", "prepare"),
+                      default="run", help="prepare: only the token caches of --regimes (under "
+                      "$GNMR_JAX_DATA_DIR; a device without TFDS reads them, carried)")
   parser.add_argument("--regimes", default="default")
   parser.add_argument("--arms", default=",".join(ARMS))
   parser.add_argument("--seeds", type=int, default=3)
+  parser.add_argument("--results", default=RESULTS, help="where the JSONs go (default: the "
+                      "committed experiments/results/noise_fraction)")
+  parser.add_argument("--runs", default=common.RUNS_DIR, help="where the run workdirs go")
+  parser.add_argument("--smoke", action="store_true", help="shrink every config to seconds "
+                      "(a dry run; needs --results and --runs outside the committed ones)")
   args = parser.parse_args(argv)
+  if args.smoke and (os.path.abspath(args.results) == os.path.abspath(RESULTS) or
+                     os.path.abspath(args.runs) == os.path.abspath(common.RUNS_DIR)):
+    raise SystemExit("--smoke writes no results beside the real ones: give --results and --runs")
+  RESULTS, common.RUNS_DIR, SMOKE["on"] = args.results, args.runs, args.smoke
+  if args.part == "prepare":
+    from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
+    for regime in args.regimes.split(","):
+      data = make_data(arm_config(regime, "static_low", 0).data)
+      print(f"[prepare] {regime}: {data.vocab_size} tokens in the vocabulary, token cache under "
+            f"{os.path.expanduser(data.config.data_dir)}", flush=True)
+    return
   if args.part == "report":
     print(section())
     return
@@ -520,7 +566,7 @@ def main(argv=None):
   common.enable_compilation_cache()
   from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
   for regime in args.regimes.split(","):
-    data = make_data(base_config(regime).data)  # re-seeded per run (Data.for_config)
+    data = make_data(arm_config(regime, "static_low", 0).data)  # re-seeded per run (for_config)
     for seed in range(args.seeds):
       for arm in args.arms.split(","):
         run_one(regime, arm, seed, data)

@@ -248,3 +248,37 @@ def test_noise_fraction_same_budget_baselines_run_the_named_controller_at_norms_
       assert config.gnmr[field] == norm.gnmr[field], (arm, field)
     assert config.train.seed == config.data.seed == 3 and config.train.steps == 1600
   assert nf.arm_config('wsd8long', 'gap', 0).diagnostics.recovery_gap_pass == 'recovery'
+
+
+def test_noise_fraction_gpu_regime_is_wsd8_at_the_60m_size_and_smoke_runs_elsewhere(tmp_path):
+  # Issue 23 item 5 (scripts/gpu_noise_fraction.sh): the wsd8 arms at 25M parameters besides the
+  # embeddings, every arm a config train.py accepts; the late switch at the last eighth; --smoke
+  # (the CPU dry run) shrinks the same arm and never writes beside the committed results.
+  from experiments import noise_fraction as nf  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.config import validate_config  # pylint: disable=g-import-not-at-top
+  for arm in ('static_low', 'static_rec', 'late_switch', 'late_switch_fwd', 'last_blocks',
+              'noise', 'norm'):
+    config, wsd8 = nf.arm_config('wsd8gpu', arm, seed=0), nf.arm_config('wsd8', arm, seed=0)
+    validate_config(config)
+    m = config.model
+    assert (m.d_model, m.num_layers, m.ffn_dim) == (512, 8, 1376), arm
+    assert 8 * (4 * m.d_model ** 2 + 3 * m.d_model * m.ffn_dim) == 25_296_896  # q k v o, mlp
+    assert (config.data.seq_len, config.data.batch_size, config.train.steps) == (256, 64, 1000)
+    # The arm itself is wsd8's: precision, controller (but the switch step), schedule shape.
+    assert config.precision.to_dict() == wsd8.precision.to_dict(), arm
+    mine, theirs = config.gnmr.to_dict(), wsd8.gnmr.to_dict()
+    mine.pop('switch_step'), theirs.pop('switch_step')
+    assert mine == theirs, arm
+    assert (config.optimizer.schedule, config.optimizer.decay_fraction) == ('wsd', 0.2)
+    assert config.diagnostics.to_dict() == wsd8.diagnostics.to_dict(), arm
+  assert nf.arm_config('wsd8gpu', 'late_switch', 0).gnmr.switch_step == 1000 - 125 + 1
+  assert nf.arm_config('wsd8gpu', 'static_low', 0).precision.low_cost_path == 'nvfp4'
+  try:
+    nf.SMOKE['on'] = True
+    small = nf.arm_config('wsd8gpu', 'late_switch', seed=0)
+  finally:
+    nf.SMOKE['on'] = False
+  validate_config(small)
+  assert small.model.d_model == 64 and small.train.steps == 16 and small.gnmr.switch_step == 15
+  with pytest.raises(SystemExit, match='--smoke writes no results'):
+    nf.main(['--smoke', '--regimes', 'wsd8gpu', '--runs', str(tmp_path)])

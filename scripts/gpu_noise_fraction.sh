@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Issue 23, item 5: the deciding NVFP4 arms of the wsd8 regime at the 60m size (d 512, 8 layers,
+# 25M parameters besides the byte embeddings; seq 256, batch 64, 1000 steps, warmup-stable-decay
+# with the last 20% decaying), one seed each, on a lent GPU: experiments/noise_fraction.py
+# --regimes wsd8gpu. Arms in order of what decides issue 23: static NVFP4 (with the pre-flight's
+# measuring pass every 10 steps), the late switch, the noise-fraction controller, static BF16,
+# 'norm', the forward-only late switch, NVIDIA's last block in BF16.
+#
+# The device image has jax, flax, optax and orbax-checkpoint but neither ml_collections nor
+# TFDS. Once, here, in the repo root:
+#   echo /.whl/ >> .git/info/exclude   # (.whl/ and .gpu_data/ are in .gitignore already)
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl ml_collections==1.1.0
+#   GNMR_JAX_DATA_DIR=$PWD/.gpu_data .venv/bin/python experiments/noise_fraction.py \
+#     --part prepare --regimes wsd8gpu           # the byte token cache, ~10 MB, read without TFDS
+# Then, with the device tool: run(command="bash scripts/gpu_noise_fraction.sh",
+# carry=[".whl", ".gpu_data/gnmr_jax_tokens"], timeout_s=600). Each arm writes
+# $OUT/results/wsd8gpu/<arm>/seed0.json as it ends (what finished comes back even if a later arm
+# is cut by its limit), and $OUT/runs/<arm>/ its logs. Here: copy the JSONs into
+# experiments/results/noise_fraction/wsd8gpu/, static_low's logs into
+# experiments/runs/noise_fraction/wsd8gpu/static_low/seed0/, then
+# `python experiments/noise_fraction.py --part preflight --regimes wsd8gpu --seeds 1` and
+# `python experiments/report.py` (RESULTS.md).
+# $OUT/env.txt records date, device and versions; each JSON records them too.
+# ARMS=a,b,... picks arms; SECONDS_PER_ARM bounds each (default 150). Throughput of the emulated
+# NVFP4 path at this size on an H100/H200 is not measured yet: the first arm's log says it.
+# SMALL=1 runs every arm shrunk to seconds on CPU (--smoke, under $OUT): a dry run here first
+# (PATH=.venv/bin:$PATH SMALL=1 bash scripts/gpu_noise_fraction.sh).
+set -u
+OUT=${OUT:-/tmp/gpu_noise_fraction}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export GNMR_JAX_DATA_DIR=${GNMR_JAX_DATA_DIR:-$PWD/.gpu_data}
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__,
+"optax", optax.__version__, jax.devices())'
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+ARMS=${ARMS:-static_low,late_switch,noise,static_rec,norm,late_switch_fwd,last_blocks}
+LIMIT=${SECONDS_PER_ARM:-150}
+RUNS=${RUNS:-/tmp/gpu_noise_fraction_runs}
+EXTRA=(--results "$OUT/results" --runs "$RUNS")
+if [ "${SMALL:-0}" = 1 ]; then
+  EXTRA+=(--smoke)
+fi
+for arm in ${ARMS//,/ }; do
+  echo "== $arm (limit ${LIMIT}s)"
+  timeout "$LIMIT" python3 experiments/noise_fraction.py --regimes wsd8gpu --arms "$arm" \
+    --seeds 1 "${EXTRA[@]}" > "$OUT/$arm.txt" 2>&1
+  echo "   exit $? ; last lines:"
+  tail -3 "$OUT/$arm.txt"
+  # The run's logs (not its checkpoints, ~0.3 GB at this size): the pre-flight reads static_low's.
+  mkdir -p "$OUT/runs/$arm"
+  cp "$RUNS/noise_fraction/wsd8gpu/$arm/seed0/"*.json* "$OUT/runs/$arm/" 2>/dev/null
+done
+find "$OUT/results" -name '*.json' 2>/dev/null | sort
