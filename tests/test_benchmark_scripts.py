@@ -36,7 +36,8 @@ def test_benchmark_script_runs_compile_only(args, expect):
     assert text in stdout, stdout
 
 
-def test_gpu_checks_script_parses():
-  out = subprocess.run(['bash', '-n', os.path.join(ROOT, 'scripts', 'gpu_checks.sh')],
+@pytest.mark.parametrize('script', ['gpu_checks.sh', 'gpu_noise_fraction.sh'])
+def test_gpu_scripts_parse(script):
+  out = subprocess.run(['bash', '-n', os.path.join(ROOT, 'scripts', script)],
                        capture_output=True, text=True, check=False)
   assert out.returncode == 0, out.stderr
