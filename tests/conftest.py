@@ -13,7 +13,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #   'machine' (default): $GNMR_JAX_CACHE_DIR or ~/.cache/gnmr_jax, beside the corpus: kept across
 #       clones and runs on one machine (like ccache), so a run after another compiles only what
 #       changed. Entries are keyed by the program, the compile options and the jax/XLA versions,
-#       so a hit is the executable XLA would build; the oldest entries go past MACHINE_CACHE_BYTES.
+#       so a hit is the executable XLA would build; past MACHINE_CACHE_BYTES the least recently
+#       used go, and entries that do not decompress (a killed writer) are dropped at the start.
 #   'clone': the clone's .pytest_cache (a fresh clone starts empty: a cold run, the number to
 #       quote for a fresh machine);
 #   '0': none, everything compiles afresh.
@@ -39,7 +40,8 @@ if _CACHE_MODE != "0":
 
 
 def _cache_entries(path):
-  """[(mtime, bytes, file)] of the compilation cache's executables (jax names them *-cache)."""
+  """[(last use, bytes, file)] of the compilation cache's executables (jax names them *-cache):
+  the later of the write and, where the file system records it, the last read."""
   try:
     names = os.listdir(path)
   except OSError:
@@ -52,12 +54,37 @@ def _cache_entries(path):
         st = os.stat(full)
       except OSError:
         continue
-      out.append((st.st_mtime, st.st_size, full))
+      out.append((max(st.st_mtime, st.st_atime), st.st_size, full))
   return out
 
 
+def drop_unreadable_entries(path):
+  """Deletes the entries that do not decompress (a process killed while jax wrote one: jax
+  writes in place and never rewrites a key, so a truncated entry would warn and recompile in
+  every later run on the machine); returns how many. jax compresses with zstandard when it is
+  installed, else zlib."""
+  try:
+    import zstandard  # pylint: disable=g-import-not-at-top
+    decompress = zstandard.ZstdDecompressor().decompress
+  except ImportError:
+    import zlib  # pylint: disable=g-import-not-at-top
+    decompress = zlib.decompress
+  dropped = 0
+  for _, _, full in _cache_entries(path):
+    try:
+      with open(full, "rb") as f:
+        decompress(f.read())
+    except Exception:  # pylint: disable=broad-except  (any failure: not an executable)
+      try:
+        os.remove(full)
+        dropped += 1
+      except OSError:
+        pass
+  return dropped
+
+
 def prune_cache(path, max_bytes):
-  """Deletes the oldest-written entries until the cache holds at most max_bytes // 2; returns
+  """Deletes the least recently used entries until the cache holds at most max_bytes // 2; returns
   how many it deleted. (jax's own bound, jax_compilation_cache_max_size, scans the directory
   on every write.)"""
   entries = sorted(_cache_entries(path))
@@ -143,8 +170,9 @@ _cache_at_start = {}
 def pytest_configure(config):
   cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")
   if cache_dir and not hasattr(config, "workerinput"):  # the controller, before the workers
-    _cache_at_start["pruned"] = (prune_cache(cache_dir, MACHINE_CACHE_BYTES)
-                                 if cache_dir == _OUR_CACHE_DIR else 0)
+    ours = cache_dir == _OUR_CACHE_DIR  # a JAX_COMPILATION_CACHE_DIR the user set: untouched
+    _cache_at_start["pruned"] = prune_cache(cache_dir, MACHINE_CACHE_BYTES) if ours else 0
+    _cache_at_start["unreadable"] = drop_unreadable_entries(cache_dir) if ours else 0
     _cache_at_start["entries"] = len(_cache_entries(cache_dir))
   if not _REPORT:
     return
@@ -194,12 +222,14 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line("jax compilation cache: off (GNMR_TEST_COMPILATION_CACHE=0)")
   elif _cache_at_start:
     start, end = _cache_at_start["entries"], len(_cache_entries(cache_dir))
+    mode = _CACHE_MODE if cache_dir == _OUR_CACHE_DIR else "JAX_COMPILATION_CACHE_DIR"
     terminalreporter.write_line(
-        f"jax compilation cache ({_CACHE_MODE}, {cache_dir}): {start} entries at the start "
-        f"({_cache_at_start['pruned']} oldest pruned before), {max(end - start, 0)} written by "
-        f"this run (programs compiled anew; a cold run writes them all)"
-        + ("" if _CACHE_MODE == "clone" else
-           "; GNMR_TEST_COMPILATION_CACHE=clone times a cold run"))
+        f"jax compilation cache ({mode}, {cache_dir}): {start} entries at the start "
+        f"({_cache_at_start['pruned']} least recently used pruned, "
+        f"{_cache_at_start['unreadable']} unreadable dropped), {max(end - start, 0)} written "
+        f"during the run (programs compiled anew; a cold run writes them all)"
+        + ("" if mode == "clone" else
+           "; GNMR_TEST_COMPILATION_CACHE=clone in a fresh clone times a cold run"))
   if not _REPORT:
     return
   import json  # pylint: disable=g-import-not-at-top

@@ -69,3 +69,22 @@ def test_the_machine_cache_is_pruned_oldest_first_to_half_its_bound(tmp_path):
   left = sorted(p.name for p in tmp_path.iterdir())
   assert left == ["jit_f-3-atime", "jit_f-3-cache", "jit_f-4-atime", "jit_f-4-cache",
                   "unrelated.txt"]
+
+
+
+def test_the_machine_cache_drops_entries_a_killed_writer_truncated(tmp_path):
+  """conftest.drop_unreadable_entries: an entry that does not decompress (jax writes in place and
+  never rewrites a key) is deleted; whole entries and other files stay."""
+  import zlib  # pylint: disable=g-import-not-at-top
+  import conftest  # pylint: disable=g-import-not-at-top
+  try:
+    import zstandard  # pylint: disable=g-import-not-at-top
+    compress = zstandard.ZstdCompressor().compress
+  except ImportError:  # what jax uses then
+    compress = zlib.compress
+  whole = compress(b"\x00\x00\x00\x01" + b"executable bytes" * 100)
+  (tmp_path / "jit_a-1-cache").write_bytes(whole)
+  (tmp_path / "jit_b-2-cache").write_bytes(whole[:len(whole) // 2])
+  (tmp_path / "notes.txt").write_bytes(b"not an entry")
+  assert conftest.drop_unreadable_entries(str(tmp_path)) == 1
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["jit_a-1-cache", "notes.txt"]
