@@ -36,7 +36,7 @@ from gnmr_jax.optim import make_optimizer
 from gnmr_jax.precision import blockwise, registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS_DIR = os.path.join(ROOT, "experiments", "runs")
+RUNS_DIR = RUNS_DIR_DEFAULT = os.path.join(ROOT, "experiments", "runs")  # --runs may move it
 RESULTS_DIR = os.path.join(ROOT, "experiments", "results")
 SCALES = ("cpu", "gpu")
 CONTROLLERS = ("gnmr", "random")

@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.join(ROOT, "configs"))
 from experiments import common  # noqa: E402  pylint: disable=g-import-not-at-top
 from experiments import selection_report  # noqa: E402  pylint: disable=g-import-not-at-top
 
-RESULTS = os.path.join(common.RESULTS_DIR, "noise_fraction")
+RESULTS = COMMITTED_RESULTS = os.path.join(common.RESULTS_DIR, "noise_fraction")
 ARMS = ("static_low", "static_rec", "norm", "alarm", "noise", "noisenorm", "noisegate", "gnmr",
         "random", "gap")
 PERTURBATION = 1e-7
@@ -207,7 +207,7 @@ def run_one(regime, arm, seed, data=None):
          "eval_curve": curve,
          "recovered_unit_steps_pct": summary.get("recovered_unit_steps_pct", 0.0) if routed
          else 0.0, "tokens_per_s": summary["tokens_per_s"], "wall_seconds": time.time() - t0,
-         "steps": summary["step"], "date": time.strftime("%Y-%m-%d"),
+         "steps": summary["step"], "smoke": SMOKE["on"], "date": time.strftime("%Y-%m-%d"),
          "device": common.device_description(), "versions": common.versions()}
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -229,6 +229,8 @@ def load(regime):
       if name.endswith(".json"):
         with open(os.path.join(root, arm, name), encoding="utf-8") as f:
           row = json.load(f)
+        if row.get("smoke") and not SMOKE["on"]:  # a dry run's: a shrunk model, never a result
+          raise SystemExit(f"{os.path.join(root, arm, name)} is a --smoke dry run: remove it")
         out.setdefault(arm, {})[row["seed"]] = row
   return out
 
@@ -544,9 +546,12 @@ def main(argv=None):
   parser.add_argument("--smoke", action="store_true", help="shrink every config to seconds "
                       "(a dry run; needs --results and --runs outside the committed ones)")
   args = parser.parse_args(argv)
-  if args.smoke and (os.path.abspath(args.results) == os.path.abspath(RESULTS) or
-                     os.path.abspath(args.runs) == os.path.abspath(common.RUNS_DIR)):
-    raise SystemExit("--smoke writes no results beside the real ones: give --results and --runs")
+  inside = lambda path, root: os.path.commonpath([os.path.abspath(path),
+                                                  os.path.abspath(root)]) == os.path.abspath(root)
+  if args.smoke and (inside(args.results, COMMITTED_RESULTS) or
+                     inside(args.runs, common.RUNS_DIR_DEFAULT)):
+    raise SystemExit("--smoke writes no results beside the real ones: give --results and --runs "
+                     "outside experiments/results and experiments/runs")
   RESULTS, common.RUNS_DIR, SMOKE["on"] = args.results, args.runs, args.smoke
   if args.part == "prepare":
     from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top

@@ -282,3 +282,17 @@ def test_noise_fraction_gpu_regime_is_wsd8_at_the_60m_size_and_smoke_runs_elsewh
   assert small.model.d_model == 64 and small.train.steps == 16 and small.gnmr.switch_step == 15
   with pytest.raises(SystemExit, match='--smoke writes no results'):
     nf.main(['--smoke', '--regimes', 'wsd8gpu', '--runs', str(tmp_path)])
+  with pytest.raises(SystemExit, match='--smoke writes no results'):  # inside the committed dir
+    nf.main(['--smoke', '--regimes', 'wsd8gpu', '--runs', str(tmp_path),
+             '--results', os.path.join(nf.COMMITTED_RESULTS, 'elsewhere')])
+  # A dry run's JSON copied among the results is refused by every reader (the report).
+  smoke_json = tmp_path / 'wsd8gpu' / 'noise' / 'seed0.json'
+  smoke_json.parent.mkdir(parents=True)
+  smoke_json.write_text(json.dumps({'seed': 0, 'eval_loss': 3.5, 'smoke': True}))
+  results = nf.RESULTS
+  try:
+    nf.RESULTS = str(tmp_path)
+    with pytest.raises(SystemExit, match='is a --smoke dry run'):
+      nf.load('wsd8gpu')
+  finally:
+    nf.RESULTS = results
