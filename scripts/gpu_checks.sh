@@ -15,18 +15,7 @@
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__,
-"optax", optax.__version__, jax.devices())'
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+. "$(dirname "$0")/device_env.sh"  # wheels, PYTHONPATH, $OUT/env.txt
 
 step() {  # step NAME SECONDS CMD...
   local name=$1 seconds=$2

@@ -35,19 +35,8 @@ fi
 OUT=${OUT:-/tmp/gpu_noise_fraction}
 RUNS=${RUNS:-/tmp/gpu_noise_fraction_runs}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export GNMR_JAX_DATA_DIR=${GNMR_JAX_DATA_DIR:-$PWD/.gpu_data}
-{
-  date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  python3 -c 'import jax, flax, optax; print("jax", jax.__version__, "flax", flax.__version__,
-"optax", optax.__version__, jax.devices())'
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+. "$(dirname "$0")/device_env.sh"  # wheels, PYTHONPATH, $OUT/env.txt
 
 ARMS=${ARMS:-static_low,late_switch,noise}
 LIMIT=${SECONDS_PER_ARM:-180}
