@@ -121,8 +121,11 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
                       rng=jax.random.key_data(jax.random.fold_in(rng, 1)))
 
+  # An abstract key: nothing concrete is created under the mesh, whose devices may be a
+  # topology's that cannot run (gnmr_jax.aot compiles for accelerators on a CPU host).
+  abstract_key = jax.eval_shape(lambda: jax.random.key(0))
   with sharding.activation_sharding(mesh):
-    abstract = jax.eval_shape(init_state, jax.random.key(0))  # the language-model state
+    abstract = jax.eval_shape(init_state, abstract_key)  # the language-model state
   layout = units_lib.layout_of(abstract.params, config.gnmr.units or None,
                                config.gnmr.layer_axis or None)
   injector = faults_lib.make_injector(config, layout)
@@ -144,7 +147,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   else:
     init_state = functools.partial(task.init_state, spec=spec)
     with sharding.activation_sharding(mesh):
-      abstract = jax.eval_shape(init_state, jax.random.key(0))
+      abstract = jax.eval_shape(init_state, abstract_key)
     state_sh = jax.tree_util.tree_map(lambda _: replicated, abstract)
     train_fn, eval_fn = task.train_step, task.eval_step
   batch_sh = sharding.batch_sharding(mesh)
