@@ -16,9 +16,14 @@ from gnmr_jax.control import GNMRState as GNMRState
 from gnmr_jax.control import GNMRTelemetry as GNMRTelemetry
 from gnmr_jax.control import PriorityState as PriorityState
 from gnmr_jax.control import controller_state as controller_state
+from gnmr_jax.control import fixed_set as fixed_set
 from gnmr_jax.control import gnmr as gnmr
+from gnmr_jax.control import last_blocks as last_blocks
+from gnmr_jax.control import late_switch as late_switch
+from gnmr_jax.control import norm_level as norm_level
 from gnmr_jax.control import prioritized as prioritized
 from gnmr_jax.control import recovery_mask as recovery_mask
+from gnmr_jax.control import transient_alarm as transient_alarm
 
 __all__ = ["gnmr", "prioritized", "GNMRState", "GNMRTelemetry", "PriorityState",
            "recovery_mask", "controller_state", "control"]

@@ -13,6 +13,7 @@ Modules:
 This package imports jax, optax and itself only: it never imports the precision paths.
 """
 
+from gnmr_jax.control import research as research
 from gnmr_jax.control.config import from_config as from_config
 from gnmr_jax.control.paper import GNMRState as GNMRState
 from gnmr_jax.control.paper import GNMRTelemetry as GNMRTelemetry
@@ -23,6 +24,11 @@ from gnmr_jax.control.priorities import PriorityState as PriorityState
 from gnmr_jax.control.priorities import needs_recovery_gap as needs_recovery_gap
 from gnmr_jax.control.priorities import prioritized as prioritized
 from gnmr_jax.control.priorities import random_recovery as random_recovery
+from gnmr_jax.control.recommended import fixed_set as fixed_set
+from gnmr_jax.control.recommended import last_blocks as last_blocks
+from gnmr_jax.control.recommended import late_switch as late_switch
+from gnmr_jax.control.recommended import norm_level as norm_level
+from gnmr_jax.control.recommended import transient_alarm as transient_alarm
 from gnmr_jax.control.recovery_gap import GapProbe as GapProbe
 from gnmr_jax.control.recovery_gap import GradientPasses as GradientPasses
 from gnmr_jax.control.recovery_gap import RecoveryGap as RecoveryGap

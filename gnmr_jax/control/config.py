@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import optax
 
-from gnmr_jax.control.priorities import prioritized
+from gnmr_jax.control.priorities import PAPER_T_LOCK, prioritized
+from gnmr_jax.control.recommended import ALARM_T_LOCK
 
 
 # gnmr.t_lock when the config leaves it None: the alarm's 2 for 'gnmr' (the config default since
 # 2026-12-02), else the paper's 5, with which 'norm', 'gap', 'hybrid', ... were measured.
-DEFAULT_T_LOCK = {"gnmr": 2}
-PAPER_T_LOCK = 5
+DEFAULT_T_LOCK = {"gnmr": ALARM_T_LOCK}
 
 
 def t_lock_of(g) -> int:

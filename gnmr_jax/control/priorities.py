@@ -89,6 +89,9 @@ NOISE_RANKS = ("pi", "norm")  # 'noise': how candidates beyond the alarm are ran
 NOISE_GATES = ("unit", "any")  # 'noise': a unit's own pi, or any unit's, makes candidates
 # Priorities that need a measured recovery gap from the train step.
 GAP_PRIORITIES = ("gap", "relgap", "oracle", "noise")
+# The paper's thresholds, window and lock: the budgeted controllers' defaults (alpha, beta and
+# delta only feed the telemetry statistics, but for 'hybrid' and 'noise', whose alarm they set).
+PAPER_ALPHA, PAPER_BETA, PAPER_DELTA, PAPER_T_LOCK = 2.0, 1.5, 8, 5
 
 
 class PriorityState(NamedTuple):
