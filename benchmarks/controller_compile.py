@@ -5,7 +5,7 @@ budgeted priorities) as one array over the units (`control.UnitValues`). Until 2
 kept each as a tree mirroring the params, so its jitted update wrote one output per (field,
 leaf) and the program grew with the number of leaves (per-layer / stacked was 11-12x at 16
 layers: 9.7 s for `gnmr`, 11.6 s for 'norm', 1262 / 1371 fusions). This compiles,
-without running, `tx.update` of `gnmr_jax.gnmr` and of `prioritized('norm')` on the same
+without running, `tx.update` of `gnmr_jax.gnmr` and of `gnmr_jax.norm_level` on the same
 number of units laid out two ways: layer-stacked (7 leaves of shape [L, d, d], the
 Transformer's layout) and per-layer modules (7 * L leaves of shape [d, d], as a Flax Linen or
 NNX model without `nn.scan` holds them). Columns: compile seconds and XLA fusions of the
@@ -55,8 +55,8 @@ def main():
   controllers = {  # layer_axis: the stacked leaves' regex, or None for per-layer modules
       "gnmr": lambda axis: control.gnmr(alpha=2.0, beta=1.5, delta=8, max_o=4, t_lock=5,
                                         units=r"kernel", layer_axis=axis),
-      "norm": lambda axis: control.prioritized("norm", max_o=4, t_lock=5, units=r"kernel",
-                                               layer_axis=axis),
+      "norm": lambda axis: control.norm_level(max_o=4, t_lock=5, units=r"kernel",
+                                              layer_axis=axis),
   }
   for layers in (int(x) for x in args.layers.split(",")):
     stacked = {"layers": {n: {"kernel": jax.ShapeDtypeStruct((layers, d, d), jnp.float32)}

@@ -37,7 +37,7 @@ from experiments import common
 from experiments import scenario1_saved_activation as scenario1
 from gnmr_jax import lora, metrics_log, sharding, train_loop
 from gnmr_jax.data import eval_texts, make_data
-from gnmr_jax.control import from_config as controller_from_config
+from gnmr_jax.control import from_config
 from gnmr_jax.optim import learning_rate_schedule
 from gnmr_jax.control.units import path_to_str
 
@@ -194,7 +194,7 @@ def finetune(config, arm, seed, workdir, base_params, data, cloze, batch=64):
     return {"base_perplexity": train_loop.evaluate(run, state)["eval_perplexity"],
             "base_cloze_accuracy": cloze_accuracy(run, state)}
 
-  task = lora.LoraTask(frozen, RANK, scale, optimizer, controller_from_config(config.gnmr),
+  task = lora.LoraTask(frozen, RANK, scale, optimizer, from_config(config.gnmr),
                        adapter_seed=1000 + seed, summary_fn=summary_fn)
   return train_loop.train_and_evaluate(config, workdir, data=data, task=task)
 

@@ -196,11 +196,12 @@ def replay(priority, norms, gaps, measured, g, gap_every, rec_norms=None):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from gnmr_jax import control  # pylint: disable=g-import-not-at-top
-  from gnmr_jax.control import priorities as selection, recovery_gap  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.control import recovery_gap  # pylint: disable=g-import-not-at-top
   num_steps, n = norms.shape
-  tx = selection.prioritized(priority, alpha=g.alpha, beta=g.beta, delta=g.delta, max_o=g.max_o,
-                             t_lock=g.t_lock, warmup=g.warmup, layer_axis=r"^u$",
-                             gap_decay=g.gap_decay, seed=0)
+  # The controller of `g` with `priority`, over one layer-stacked leaf of n units.
+  g = ml_collections.ConfigDict(g.to_dict())
+  g.update(priority=priority, units="", layer_axis=r"^u$")
+  tx = control.from_config(g, seed=0)
   params = {"u": jnp.zeros((n, 1), jnp.float32)}
 
   @jax.jit

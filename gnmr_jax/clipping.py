@@ -6,7 +6,7 @@
 * :func:`adagc`: AdaGC-style per-tensor adaptive clipping (Wang et al., 2025):
   each leaf is clipped to ``ratio`` times an EMA of its own past (clipped) norms.
 
-Same-budget random recovery is a controller: :func:`gnmr_jax.control.random_recovery`.
+Same-budget random recovery is a controller: :func:`gnmr_jax.control.research.random`.
 
 The GNMR ablations need no code: score only = ``beta`` huge, dGNMR only =
 ``alpha`` huge, no lock = ``t_lock=0``, and global clipping is

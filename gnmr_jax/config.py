@@ -21,7 +21,8 @@ from gnmr_jax.model import PROJECTIONS
 from gnmr_jax.model_configs import model_config, validate_model_config
 from gnmr_jax.sharding import MESH_FIELDS, default_mesh_config, mesh_axis_types, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
-from gnmr_jax.control.priorities import GAP_PRIORITIES, NOISE_GATES, NOISE_RANKS, PRIORITIES
+from gnmr_jax.control.config import PRIORITIES, check_priority_fields
+from gnmr_jax.control.priorities import GAP_PRIORITIES, NOISE_GATES, NOISE_RANKS
 from gnmr_jax.optim import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "zero", "none")
@@ -336,9 +337,6 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     raise ValueError("config.gnmr.priority='fixed' recovers the units matching "
                      "config.gnmr.fixed_units: set it to a regex over unit names (e.g. "
                      "r'mlp/down').")
-  if fixed_units and priority != "fixed":
-    raise ValueError(f"config.gnmr.fixed_units={fixed_units!r} is read by priority 'fixed' only; "
-                     f"config.gnmr.priority is {priority!r}.")
   for field, owner in (("last_blocks", "last_blocks"), ("switch_step", "late_switch")):
     if field in g:
       _int(g, "gnmr", field, 0)
@@ -346,14 +344,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     if priority == owner and value < 1:
       raise ValueError(f"config.gnmr.priority={owner!r} needs config.gnmr.{field} >= 1, got "
                        f"{value!r}.")
-    if value and priority != owner:
-      raise ValueError(f"config.gnmr.{field}={value!r} is read by priority {owner!r} only; "
-                       f"config.gnmr.priority is {priority!r}.")
   for field, choices in (("noise_gate", NOISE_GATES), ("noise_rank", NOISE_RANKS)):
-    value = _choice(g, "gnmr", field, choices, choices[0])
-    if value != choices[0] and priority != "noise":
-      raise ValueError(f"config.gnmr.{field}={value!r} is read by priority 'noise' only; "
-                       f"config.gnmr.priority is {priority!r}.")
+    _choice(g, "gnmr", field, choices, choices[0])
   if "noise_upper" in g or "noise_lower" in g:
     _float(g, "gnmr", "noise_upper")
     lower = g.get("noise_lower", 1 / 6)
@@ -361,10 +353,7 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
         0 <= lower <= g.noise_upper):
       raise ValueError(f"config.gnmr.noise_lower must be in [0, config.gnmr.noise_upper="
                        f"{g.noise_upper!r}], got {lower!r}.")
-    for field, default in (("noise_upper", 1 / 3), ("noise_lower", 1 / 6)):
-      if g.get(field, default) != default and priority != "noise":
-        raise ValueError(f"config.gnmr.{field}={g[field]!r} is read by priority 'noise' only; "
-                         f"config.gnmr.priority is {priority!r}.")
+  check_priority_fields(g)  # a field that only another priority reads would be ignored
   if (priority == "noise" and "diagnostics" in config and
       config.diagnostics.get("recovery_gap_pass", "recovery") == "recovery"):
     raise ValueError("config.gnmr.priority='noise' needs every unit re-measured: set "

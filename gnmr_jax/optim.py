@@ -39,10 +39,6 @@ def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> 
       boundaries=[opt.warmup_steps, stable_end])
 
 
-# Moved to gnmr_jax.control.from_config; the old name keeps working.
-controller_from_config = control.from_config
-
-
 class ZeroNonfiniteState(NamedTuple):
   """State of :func:`zero_nonfinite_units`."""
   inner_state: Any
@@ -108,7 +104,7 @@ def make_optimizer(config: ml_collections.ConfigDict,
   guard then skips the parameter update of a non-finite step, so NaN/Inf never
   reaches the parameters. With nonfinite='zero' the guard is
   :func:`zero_nonfinite_units` instead: only the non-finite units' updates are zeroed.
-  `pre_update` transforms (e.g. gnmr_jax.baselines.zclip()) run inside the guard, after the
+  `pre_update` transforms (e.g. gnmr_jax.clipping.zclip()) run inside the guard, after the
   global clip and before AdamW.
   """
   opt = config.optimizer

@@ -185,7 +185,7 @@ PRIORITY_TEXT = {
             "beta 3, t_lock 2): a unit over alpha or beta (or non-finite) is a candidate, the "
             "top max_o by score run the recovery path, each locked t_lock steps; max_o is a cap.",
     "gnmr_paper": "The paper's rule at the paper's thresholds (alpha 2 / beta 1.5, t_lock 5).",
-    "norm": "The budgeted default until 2026-12-02 (`gnmr_jax.prioritized('norm')`, t_lock "
+    "norm": "The budgeted default until 2026-12-02 (`gnmr_jax.norm_level`, t_lock "
             "5): the max_o units with the "
             "largest gradient-norm level every step after warmup, non-finite units first. A "
             "finite spike is caught only if it lifts the unit into the top max_o past the locked "
@@ -193,7 +193,7 @@ PRIORITY_TEXT = {
     "noise": "The noise-fraction priority (issue 23): candidates by the measured noise fraction "
              "(above 1/3) or by the paper's alarm at alpha 4 / beta 3 (and non-finite units), "
              "max_o a cap: the mask may be empty.",
-    "hybrid": "'norm' with the paper's alarm first (`gnmr_jax.prioritized('hybrid')`, alpha 4 / "
+    "hybrid": "'norm' with the paper's alarm first (`gnmr_jax.control.research.hybrid`, alpha 4 / "
               "beta 3): a unit over a threshold (or non-finite) takes the budget before the "
               "norm level fills it; the same spend as 'norm'.",
 }

@@ -212,25 +212,25 @@ def replay(norms_BxTxN: np.ndarray, *, alpha: float, beta: float, delta: int, ma
   Args:
     norms_BxTxN: B independent sequences of T steps for N units (float32 after casting).
     alpha, beta, delta, max_o, t_lock, warmup: the controller setting (gnmr_jax.gnmr).
-    priority: 'gnmr' (the paper's rule, gnmr_jax.gnmr) or a budgeted priority of
-      gnmr_jax.prioritized ('norm'; 'noise', whose noise fraction is 0 here: the
-      static run measured no recovery gap, so only its transient alarm and non-finite rule act;
-      'hybrid', 'norm' with that alarm first).
+    priority: a `config.gnmr.priority` (gnmr_jax.control.from_config): 'gnmr' (the paper's
+      rule, gnmr_jax.gnmr), 'norm' (gnmr_jax.norm_level), 'noise' (whose noise fraction is 0
+      here: the static run measured no recovery gap, so only its transient alarm and non-finite
+      rule act), 'hybrid' ('norm' with that alarm first; both gnmr_jax.control.research).
 
   Returns:
     numpy arrays [B, T, N]: mask (chosen at step t, used at t + 1), risky, gnmr, delta_gnmr.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
   import gnmr_jax  # pylint: disable=g-import-not-at-top
 
   norms_BxTxN = np.asarray(norms_BxTxN, np.float32)
   num_units = norms_BxTxN.shape[-1]
   regex = f"^{UNIT_LEAF}$"
-  settings = dict(alpha=alpha, beta=beta, delta=delta, max_o=max_o, t_lock=t_lock,
-                  warmup=warmup, units=regex, layer_axis=regex)
-  tx = (gnmr_jax.gnmr(**settings) if priority == "gnmr"
-        else gnmr_jax.prioritized(priority, **settings))
+  tx = gnmr_jax.control.from_config(ml_collections.ConfigDict(dict(
+      priority=priority, alpha=alpha, beta=beta, delta=delta, max_o=max_o, t_lock=t_lock,
+      warmup=warmup, units=regex, layer_axis=regex)))
   params = {UNIT_LEAF: jnp.zeros((num_units, 1, 1), jnp.float32)}
 
   def one_sequence(norms_TxN):
@@ -512,7 +512,7 @@ def render(result: dict) -> str:
       cells[0] = f"**{cells[0]}** (default)"
     lines.append("| " + " | ".join(cells) + " |")
   if result.get("priority_rows"):
-    lines += ["", "## The budgeted priorities (`gnmr_jax.prioritized`)", "",
+    lines += ["", "## The budgeted priorities (`config.gnmr.priority`)", "",
               f"The same clean run and spike draws replayed through the budgeted priorities "
               f"(`config.gnmr.priority`; the default is '{result['default_priority']}'), max_o "
               f"{result['priority_rows'][0]['max_o']}, delta {result['priority_rows'][0]['delta']}, "

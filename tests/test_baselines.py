@@ -1,4 +1,5 @@
-"""The baseline transforms (gnmr_jax.baselines) against float64 NumPy references, jitted."""
+"""The baselines (gnmr_jax.clipping, control.research.random) against float64 NumPy references,
+jitted."""
 
 import jax
 import numpy as np
@@ -6,7 +7,8 @@ import optax
 import pytest
 
 import gnmr_jax
-from gnmr_jax import baselines
+from gnmr_jax import clipping
+from gnmr_jax.control import research
 from tests.tolerances import F32_EPS, assert_allclose, gamma
 
 U = F32_EPS / 2  # unit roundoff: one float32 rounding moves a value x by <= U |x|
@@ -100,7 +102,7 @@ def zclip_reference(norms, z_threshold, ema_decay, warmup, eps, norm_size):
 
 def test_zclip_matches_numpy_reference_and_clips_only_the_spikes():
   grads = _gradients(30, spikes=(15, 22))
-  tx = baselines.zclip(z_threshold=2.0, ema_decay=0.9, warmup=8, eps=1e-6)
+  tx = clipping.zclip(z_threshold=2.0, ema_decay=0.9, warmup=8, eps=1e-6)
   outs, states = _run(tx, grads)
   size = sum(x.size for x in jax.tree_util.tree_leaves(grads[0]))
   ref = zclip_reference([_global_norm(g) for g in grads], 2.0, 0.9, 8, 1e-6, size)
@@ -123,7 +125,7 @@ def test_zclip_matches_numpy_reference_and_clips_only_the_spikes():
 def test_zclip_passes_non_finite_gradients_and_keeps_statistics():
   grads = _gradients(12)
   grads[10] = jax.tree_util.tree_map(lambda x: np.full_like(x, np.nan), grads[10])
-  _, states = _run(baselines.zclip(warmup=3), grads)
+  _, states = _run(clipping.zclip(warmup=3), grads)
   assert int(states[10].count) == 10
   assert float(states[10].mean) == float(states[9].mean)
   assert np.isfinite(float(states[11].mean))
@@ -184,7 +186,7 @@ def test_adagc_matches_numpy_reference_and_clips_per_tensor():
   grads = _gradients(20)
   # A spike in one tensor only: AdaGC clips that tensor and leaves the others alone.
   grads[14]['a'] = grads[14]['a'] * 30.0
-  tx = baselines.adagc(ratio=3.0, ema_decay=0.9, warmup=5, warmup_global_clip=2.0)
+  tx = clipping.adagc(ratio=3.0, ema_decay=0.9, warmup=5, warmup_global_clip=2.0)
   outs, states = _run(tx, grads)
   ref = adagc_reference(grads, 3.0, 0.9, 5, 2.0)
   for g, u, s, (leaves, ema, e_factors, e_ema) in zip(grads, outs, states, ref):
@@ -204,14 +206,14 @@ def test_adagc_matches_numpy_reference_and_clips_per_tensor():
 
 
 @pytest.mark.parametrize('factory,kwargs', [
-    (baselines.zclip, {'z_threshold': 0.0}), (baselines.zclip, {'ema_decay': 1.0}),
-    (baselines.zclip, {'warmup': 0}), (baselines.adagc, {'ratio': -1.0}),
-    (baselines.adagc, {'warmup_global_clip': -1.0}),
-    (baselines.random_recovery, {'max_o': -1}),
+    (clipping.zclip, {'z_threshold': 0.0}), (clipping.zclip, {'ema_decay': 1.0}),
+    (clipping.zclip, {'warmup': 0}), (clipping.adagc, {'ratio': -1.0}),
+    (clipping.adagc, {'warmup_global_clip': -1.0}),
+    (research.random, {'max_o': -1}), (research.random, {'seed': -1}),
 ])
 def test_invalid_arguments_raise_value_error_naming_them(factory, kwargs):
   name = next(iter(kwargs))
-  args = {'max_o': 1} if factory is baselines.random_recovery else {}
+  args = {'max_o': 1} if factory is research.random else {}
   args.update(kwargs)
   with pytest.raises(ValueError, match=name):
     factory(**args)
@@ -220,8 +222,8 @@ def test_invalid_arguments_raise_value_error_naming_them(factory, kwargs):
 def test_random_recovery_draws_max_o_units_per_step_from_a_gnmr_state():
   max_o, warmup, seed = 2, 3, 7
   grads = _gradients(40, seed=1)
-  tx = optax.chain(baselines.random_recovery(max_o, seed, units=r'^(a|layers/w)$',
-                                             layer_axis=r'^layers/', warmup=warmup),
+  tx = optax.chain(research.random(max_o=max_o, t_lock=0, seed=seed, units=r'^(a|layers/w)$',
+                                   layer_axis=r'^layers/', warmup=warmup),
                    optax.sgd(0.1))
   _, states = _run(tx, grads)
   counts = np.zeros(3)

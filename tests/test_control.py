@@ -1,7 +1,6 @@
-"""The controller package: its unit layout codec, the 'fixed' priority, its boundaries and the
-old module paths."""
+"""The controller package: its unit layout codec, the static recipes and their config checks, and
+its boundaries."""
 import ast
-import os
 import pathlib
 import re
 
@@ -13,7 +12,7 @@ import pytest
 
 import gnmr_jax
 from gnmr_jax import control
-from gnmr_jax.config import base_config, validate_config
+from gnmr_jax.config import base_config, gnmr_config, validate_config
 from gnmr_jax.control import units as units_lib
 from tests.tolerances import F32_EPS
 
@@ -53,10 +52,8 @@ def test_unit_layout_flattens_unflattens_names_and_norms_like_numpy():
   assert layout.flat(full).tolist() == [True] * 7 and full["norm"].dtype == jnp.bool_
 
 
-def _fixed_run(grad_scales, fixed_units=None, warmup=2, max_o=3, priority="fixed", **kwargs):
-  tx = optax.chain(gnmr_jax.prioritized(priority, max_o=max_o, t_lock=4, warmup=warmup,
-                                        layer_axis=r"^layers/", fixed_units=fixed_units,
-                                        **kwargs),
+def _fixed_run(grad_scales, recipe=gnmr_jax.fixed_set, *args, warmup=2, max_o=3):
+  tx = optax.chain(recipe(*args, max_o=max_o, warmup=warmup, layer_axis=r"^layers/"),
                    optax.adamw(1e-3))
   state = tx.init(PARAMS)
   update = jax.jit(tx.update)
@@ -71,7 +68,8 @@ def _fixed_run(grad_scales, fixed_units=None, warmup=2, max_o=3, priority="fixed
 
 def test_fixed_priority_recovers_its_set_after_warmup_whatever_the_gradients():
   # Scales include a spike and a NaN step: a static set does not react to either.
-  masks, state = _fixed_run([1.0, 1.0, 50.0, np.nan, 1.0], r"down/kernel\[[02]\]|^head$")
+  masks, state = _fixed_run([1.0, 1.0, 50.0, np.nan, 1.0], gnmr_jax.fixed_set,
+                            r"down/kernel\[[02]\]|^head$")
   want = np.array([n in ("head", "layers/mlp/down/kernel[0]", "layers/mlp/down/kernel[2]")
                    for n in NAMES])
   np.testing.assert_array_equal(masks[:3], False)  # initial mask and warmup steps 1, 2
@@ -85,37 +83,44 @@ def test_fixed_priority_recovers_its_set_after_warmup_whatever_the_gradients():
 
 def test_static_recipes_last_blocks_and_late_switch():
   # NVIDIA's recipe: the last layer's units of every stacked leaf, for the whole run.
-  masks, _ = _fixed_run([1.0, 50.0, 1.0], priority="last_blocks", last_blocks=1, warmup=0)
+  masks, _ = _fixed_run([1.0, 50.0, 1.0], gnmr_jax.last_blocks, 1, warmup=0)
   want = np.array([n.endswith("[2]") for n in NAMES])  # down[2], up[2]; not head
   np.testing.assert_array_equal(masks[0], False)
   np.testing.assert_array_equal(masks[1:], np.tile(want, (3, 1)))
   # A global late switch: every unit from step 3 on (the mask after step 2 is used at step 3).
-  masks, state = _fixed_run([1.0] * 5, priority="late_switch", switch_step=3, warmup=0,
-                            max_o=7)
+  masks, state = _fixed_run([1.0] * 5, gnmr_jax.late_switch, 3, warmup=0, max_o=7)
   np.testing.assert_array_equal(masks.all(axis=1), [False, False, True, True, True, True])
   np.testing.assert_array_equal(masks.any(axis=1), masks.all(axis=1))
   assert int(gnmr_jax.controller_state(state).telemetry.active_unit_steps) == 4 * 7
   with pytest.raises(ValueError, match="selects 7 units"):
-    _fixed_run([1.0], priority="late_switch", switch_step=3, max_o=6)
+    _fixed_run([1.0], gnmr_jax.late_switch, 3, max_o=6)
   with pytest.raises(ValueError, match="selects 6 units"):
-    _fixed_run([1.0], priority="last_blocks", last_blocks=3, max_o=5)
-  with pytest.raises(ValueError, match="`last_blocks` must be an integer >= 1"):
-    gnmr_jax.prioritized("last_blocks", max_o=3, t_lock=0)
-  with pytest.raises(ValueError, match="read by priority 'late_switch' only"):
-    gnmr_jax.prioritized("norm", max_o=3, t_lock=0, switch_step=4)
+    _fixed_run([1.0], gnmr_jax.last_blocks, 3, max_o=5)
+  with pytest.raises(ValueError, match="`num_blocks` must be an integer >= 1"):
+    gnmr_jax.last_blocks(0, max_o=3)
+  with pytest.raises(ValueError, match="`switch_step` must be an integer >= 1"):
+    gnmr_jax.late_switch(0, max_o=3)
+  # A config field that only another priority reads is refused, not ignored.
+  g = gnmr_config()
+  g.update(priority="norm", switch_step=4)
+  with pytest.raises(ValueError, match="switch_step=4 is read by priority 'late_switch' only"):
+    control.from_config(g)
 
 
 @pytest.mark.parametrize("regex, message", [
     (r"attn", "selects 0 units"), (r"mlp", "selects 6 units")])
 def test_fixed_priority_refuses_a_set_it_cannot_hold(regex, message):
-  tx = gnmr_jax.prioritized("fixed", max_o=3, t_lock=0, layer_axis=r"^layers/",
-                            fixed_units=regex)
+  tx = gnmr_jax.fixed_set(regex, max_o=3, layer_axis=r"^layers/")
   with pytest.raises(ValueError, match=message):
     tx.init(PARAMS)
-  with pytest.raises(ValueError, match="needs `fixed_units`"):
-    gnmr_jax.prioritized("fixed", max_o=3, t_lock=0)
+  with pytest.raises(ValueError, match="`pattern` must be a regex"):
+    gnmr_jax.fixed_set("", max_o=3)
+  with pytest.raises(ValueError, match="`pattern` is not a valid regular expression"):
+    gnmr_jax.fixed_set("(", max_o=3)
+  g = gnmr_config()
+  g.update(priority="norm", fixed_units="head")
   with pytest.raises(ValueError, match="read by priority 'fixed' only"):
-    gnmr_jax.prioritized("norm", max_o=3, t_lock=0, fixed_units="head")
+    control.from_config(g)
 
 
 def test_fixed_priority_from_config_and_its_config_checks():
@@ -177,18 +182,3 @@ def test_control_imports_jax_optax_and_itself_only_and_no_protected_access_remai
   disables = [str(p.relative_to(REPO)) for p in (REPO / "gnmr_jax").rglob("*.py")
               if "protected-access" in p.read_text()]
   assert not disables
-
-
-def test_old_module_paths_keep_working_or_name_the_replacement():
-  from gnmr_jax import baselines, clipping, controller, optim, recovery_gap, selection, units  # pylint: disable=g-import-not-at-top
-  assert controller.gnmr is gnmr_jax.gnmr is control.gnmr
-  assert selection.prioritized is gnmr_jax.prioritized
-  assert recovery_gap.measure is control.measure
-  assert units.resolve_units is units_lib.resolve_units
-  assert baselines.zclip is clipping.zclip and baselines.random_recovery is control.random_recovery
-  assert optim.controller_from_config is control.from_config
-  with pytest.raises(AttributeError, match="UnitLayout.flat"):
-    controller._flat  # pylint: disable=pointless-statement
-  with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-    selection.nothing  # pylint: disable=pointless-statement
-  assert os.path.basename(recovery_gap.__file__) == "recovery_gap.py"

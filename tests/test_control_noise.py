@@ -7,7 +7,7 @@ import pytest
 
 import gnmr_jax
 from gnmr_jax import control
-from gnmr_jax.control import recovery_gap
+from gnmr_jax.control import recovery_gap, research
 from tests.tolerances import F32_EPS
 
 N, MAX_O, T_LOCK, WARMUP, DECAY, UPPER, LOWER = 6, 2, 1, 1, 0.5, 1 / 3, 1 / 6
@@ -18,7 +18,7 @@ def _run(norms, gaps, recs, valid, **kwargs):
   hp = dict(max_o=MAX_O, t_lock=T_LOCK, warmup=WARMUP, gap_decay=DECAY, layer_axis=r"^u$",
             alpha=1e9, beta=1e9)
   hp.update(kwargs)
-  tx = gnmr_jax.prioritized("noise", **hp)
+  tx = research.noise(**hp)
   params = {"u": jnp.zeros((N, 1), jnp.float32)}
 
   @jax.jit
@@ -120,7 +120,7 @@ def test_noise_rank_norm_ranks_the_same_candidates_by_the_norm_level():
   by_pi, _ = _reference(norms, gaps, recs, valid, rank="pi")
   assert (want != by_pi).any()  # the ranking matters in this draw: the check has teeth
   with pytest.raises(ValueError, match="noise_rank"):
-    gnmr_jax.prioritized("noise", max_o=1, t_lock=0, noise_rank="gap")
+    research.noise(max_o=1, t_lock=0, noise_rank="gap")
 
 
 def test_noise_gate_any_opens_every_unit_while_one_is_over_the_threshold():
@@ -148,7 +148,7 @@ def test_noise_gate_any_opens_every_unit_while_one_is_over_the_threshold():
   unit_gate, _ = _reference(norms, gaps, recs, valid, rank="norm", gate="unit")
   assert (unit_gate != want).any()
   with pytest.raises(ValueError, match="noise_gate"):
-    gnmr_jax.prioritized("noise", max_o=1, t_lock=0, noise_gate="all")
+    research.noise(max_o=1, t_lock=0, noise_gate="all")
 
 
 def test_noise_priority_keeps_the_papers_alarm_and_recovers_nonfinite_units_first():
@@ -169,9 +169,9 @@ def test_noise_priority_keeps_the_papers_alarm_and_recovers_nonfinite_units_firs
 
 def test_noise_priority_refuses_bad_thresholds():
   with pytest.raises(ValueError, match="noise_upper"):
-    gnmr_jax.prioritized("noise", max_o=2, t_lock=0, noise_upper=0.0)
+    research.noise(max_o=2, t_lock=0, noise_upper=0.0)
   with pytest.raises(ValueError, match="noise_lower"):
-    gnmr_jax.prioritized("noise", max_o=2, t_lock=0, noise_upper=0.2, noise_lower=0.3)
+    research.noise(max_o=2, t_lock=0, noise_upper=0.2, noise_lower=0.3)
 
 
 def test_split_halves_measure_signal_and_sampling_noise_like_numpy():

@@ -15,6 +15,8 @@ import pytest
 MODULES = (
     "gnmr_jax.control.paper",
     "gnmr_jax.control.priorities",
+    "gnmr_jax.control.recommended",
+    "gnmr_jax.control.research",
     "gnmr_jax.control.recovery_gap",
     "gnmr_jax.control.units",
     "gnmr_jax.control.state",
@@ -38,7 +40,12 @@ MODULES = (
 # Public API that must carry a runnable example (">>>") in its docstring.
 DOCUMENTED = (
     "gnmr_jax.gnmr", "gnmr_jax.GNMRState", "gnmr_jax.GNMRTelemetry", "gnmr_jax.recovery_mask",
-    "gnmr_jax.controller_state", "gnmr_jax.prioritized", "gnmr_jax.control.measure",
+    "gnmr_jax.controller_state", "gnmr_jax.transient_alarm", "gnmr_jax.norm_level",
+    "gnmr_jax.fixed_set", "gnmr_jax.last_blocks", "gnmr_jax.late_switch",
+    "gnmr_jax.control.research.gap", "gnmr_jax.control.research.relgap",
+    "gnmr_jax.control.research.oracle", "gnmr_jax.control.research.hybrid",
+    "gnmr_jax.control.research.random", "gnmr_jax.control.research.noise",
+    "gnmr_jax.control.measure",
     "gnmr_jax.control.UnitLayout", "gnmr_jax.control.UnitValues", "gnmr_jax.control.from_config",
     "gnmr_jax.precision.make_policy", "gnmr_jax.precision.PrecisionPolicy.dot",
     "gnmr_jax.precision.PrecisionPolicy.dot_general", "gnmr_jax.precision.register_path",

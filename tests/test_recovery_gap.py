@@ -1,4 +1,4 @@
-"""gnmr_jax.recovery_gap: per-unit gaps against float64 NumPy, a user's model, and the train step
+"""gnmr_jax.control.recovery_gap: per-unit gaps against float64 NumPy, a user's model, and the train step
 (the logged gap against an independent recovery-path gradient; exact resume with priority 'gap')."""
 
 import os
@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gnmr_jax import metrics_log, recovery_gap, train_loop
+from gnmr_jax import metrics_log, train_loop
+from gnmr_jax.control import recovery_gap, research
 from gnmr_jax.data import make_data
 from gnmr_jax.model import Transformer
 from gnmr_jax.precision import default_precision_config, make_policy
@@ -254,11 +255,9 @@ def test_readme_gap_snippet_runs_as_written_on_a_layer_stacked_model():
 
 
 def test_a_gap_measured_with_another_unit_layout_is_a_clear_error():
-  from gnmr_jax import selection  # pylint: disable=g-import-not-at-top
   params = {"layers": {"w": jnp.ones((3, 4, 4))}, "head": jnp.ones((4, 2))}
   grads = jax.tree.map(lambda p: 0.5 * p, params)
-  tx = selection.prioritized("gap", max_o=1, t_lock=0, units=r"layers/w|head",
-                             layer_axis=r"^layers/")
+  tx = research.gap(max_o=1, t_lock=0, units=r"layers/w|head", layer_axis=r"^layers/")
   state = tx.init(params)
   good = recovery_gap.unit_gaps(grads, params, units=r"layers/w|head", layer_axis=r"^layers/")
   tx.update(grads, state, params, recovery_gap=good)  # the same layout: accepted

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from gnmr_jax import checkpointing, train_loop
-from gnmr_jax.optim import controller_from_config
+from gnmr_jax.control import from_config
 from tests.train_helpers import tiny_run_config
 
 # Resume, refusal and fault detection: plumbing, run without XLA optimizations (conftest.py), as
@@ -117,7 +117,7 @@ def test_checkpoint_of_another_config_or_shape_is_refused(trained, tmp_path, rec
     restore(workdir, config, data, fingerprint_config=other)
   # Same config fields, but an optimizer whose state has another structure (e.g. a baseline
   # transform from experiments/): refused naming the leaves, not read as garbage.
-  sgd = lambda c: optax.chain(controller_from_config(c.gnmr), optax.sgd(0.1, momentum=0.9))
+  sgd = lambda c: optax.chain(from_config(c.gnmr), optax.sgd(0.1, momentum=0.9))
   with pytest.raises(ValueError, match=r"another model or optimizer shape.*Mismatched leaves: "
                                        r"opt_state/.*no such leaf"):
     restore(workdir, config, data, make_tx=sgd)

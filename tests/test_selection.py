@@ -1,5 +1,5 @@
-"""gnmr_jax.selection: budgeted priorities against a NumPy reference of the rules, the gap estimate,
-the hybrid's precedence, jit/sharding/orbax, and the config mapping."""
+"""The budgeted controllers (gnmr_jax.norm_level, control.research) against a NumPy reference of
+the rules, the gap estimate, the hybrid's precedence, jit/sharding/orbax, and the config mapping."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import gnmr_jax
-from gnmr_jax import optim, recovery_gap, selection
+from gnmr_jax import control, optim
+from gnmr_jax.control import recovery_gap, research
 from gnmr_jax.config import base_config, validate_config
 
 N = 6  # units: slices of one layer-stacked leaf, so unit u's norm is |row[u]| exactly
@@ -16,7 +17,8 @@ N = 6  # units: slices of one layer-stacked leaf, so unit u's norm is |row[u]| e
 
 def _reference(priority, norms, gaps, valid, *, max_o, t_lock, warmup, gap_decay=0.0,
                risky=None, score=None):
-  """The selection rules of gnmr_jax/selection.py, written again in NumPy (float64 signals)."""
+  """The selection rules of gnmr_jax/control/priorities.py, written again in NumPy (float64
+  signals)."""
   n = norms.shape[1]
   mask, lock = np.zeros(n, bool), np.zeros(n, int)
   est, est_count = np.zeros(n), np.zeros(n, int)
@@ -75,7 +77,7 @@ def _norms(steps, seed, nonfinite=True):
 @pytest.mark.parametrize("max_o,t_lock,warmup", [(2, 3, 4), (1, 0, 0), (3, 1, 2), (7, 2, 0)])
 def test_norm_priority_matches_the_numpy_reference(max_o, t_lock, warmup):
   norms = _norms(30, seed=max_o + t_lock)
-  tx = selection.prioritized("norm", max_o=max_o, t_lock=t_lock, warmup=warmup, layer_axis="u")
+  tx = gnmr_jax.norm_level(max_o=max_o, t_lock=t_lock, warmup=warmup, layer_axis="u")
   states = _run(tx, norms)
   want = _reference("norm", norms.astype(np.float64), np.zeros_like(norms, np.float64),
                     np.zeros(norms.shape, bool), max_o=max_o, t_lock=t_lock, warmup=warmup)
@@ -94,7 +96,7 @@ def test_lock_keeps_an_entering_unit_for_t_lock_plus_one_steps():
   norms = np.ones((12, N), np.float32)
   norms[:, 0] = 5.0
   norms[4, 5] = 9.0   # unit 5 leads at step 5 only; unit 0 leads otherwise
-  tx = selection.prioritized("norm", max_o=1, t_lock=t_lock, layer_axis="u")
+  tx = gnmr_jax.norm_level(max_o=1, t_lock=t_lock, layer_axis="u")
   got = np.array([np.asarray(gnmr_jax.recovery_mask(s)["u"]) for s in _run(tx, norms)])
   np.testing.assert_array_equal(np.flatnonzero(got[:, 5]), np.arange(4, 4 + t_lock + 1))
   assert got[4 + t_lock + 1, 0]  # back to the largest once the lock has run out
@@ -109,7 +111,10 @@ def test_gap_estimate_blends_valid_measurements_only_and_oracle_keeps_the_last()
   valid = rng.random((steps, N)) < 0.5
   valid[0] = False  # nothing measured yet at step 1: ties, tree order
   for priority, decay in (("gap", 0.7), ("oracle", 0.7), ("gap", 0.0)):
-    tx = selection.prioritized(priority, max_o=2, t_lock=1, layer_axis="u", gap_decay=decay)
+    if priority == "oracle":  # the last measurement alone: no gap_decay to give
+      tx = research.oracle(max_o=2, t_lock=1, layer_axis="u")
+    else:
+      tx = research.gap(max_o=2, t_lock=1, layer_axis="u", gap_decay=decay)
     states = _run(tx, norms, gaps, valid)
     eff = 0.0 if priority == "oracle" else decay
     want = _reference("gap", norms.astype(np.float64), gaps.astype(np.float64), valid, max_o=2,
@@ -137,7 +142,7 @@ def test_gap_mask_follows_new_measurements_only_where_the_pass_measures_the_mask
   gaps = np.array([[3.0, 1.0, 2.0, 0.5, 0.5, 0.5],     # step 1: unit 0 is the largest
                    [0.1, 1.0, 2.0, 0.5, 0.5, 0.5],     # step 2: its gap fell below unit 2's
                    [0.1, 1.0, 2.0, 0.5, 0.5, 0.5]], np.float32)
-  tx = selection.prioritized("gap", max_o=1, t_lock=0, layer_axis="u")
+  tx = research.gap(max_o=1, t_lock=0, layer_axis="u")
   every_unit = np.ones((3, N), bool)
   recovery_pass = every_unit.copy()
   recovery_pass[1:, 0] = False  # unit 0 ran the recovery path at steps 2 and 3
@@ -164,7 +169,7 @@ def test_relgap_ranks_the_norm_by_the_last_relative_gap():
   valid = rng.random((steps, N)) < 0.4
   valid[3, 0] = valid[6, 3] = True
   valid[:2] = False                    # nothing measured at first: the norm alone
-  tx = selection.prioritized("relgap", max_o=2, t_lock=1, warmup=1, layer_axis="u")
+  tx = research.relgap(max_o=2, t_lock=1, warmup=1, layer_axis="u")
   states = _run(tx, norms, gaps, valid, rec)
   est, count = np.zeros(N, np.float32), np.zeros(N, int)
   mask, lock, want = np.zeros(N, bool), np.zeros(N, int), []
@@ -197,8 +202,7 @@ def test_hybrid_lets_a_spike_take_the_budget_from_the_persistent_leader():
   norms = np.ones((steps, N), np.float32)
   norms[:, 0] = 4.0          # persistent leader
   norms[20, 3] = 40.0        # a x40 spike of a small unit
-  tx = selection.prioritized("hybrid", max_o=1, t_lock=2, warmup=5, alpha=4.0, beta=3.0,
-                             layer_axis="u")
+  tx = research.hybrid(max_o=1, t_lock=2, warmup=5, alpha=4.0, beta=3.0, layer_axis="u")
   states = _run(tx, norms)
   got = np.array([np.asarray(gnmr_jax.recovery_mask(s)["u"]) for s in states])
   ctl = [gnmr_jax.controller_state(s) for s in states]
@@ -217,24 +221,30 @@ def test_hybrid_lets_a_spike_take_the_budget_from_the_persistent_leader():
                                 np.asarray(ctl[-1].gnmr["u"]))
 
 
-def test_gnmr_priority_is_the_paper_transform_itself():
+def test_config_priority_gnmr_is_the_paper_transform_itself():
   norms = _norms(30, seed=9)
   kwargs = dict(alpha=1.5, beta=1.3, delta=3, max_o=2, t_lock=2, warmup=3, layer_axis="u")
-  a = _run(selection.prioritized("gnmr", **kwargs), norms)
+  config = base_config("tiny").gnmr
+  config.update(priority="gnmr", units="", **kwargs)
+  a = _run(control.from_config(config), norms)
   b = _run(gnmr_jax.gnmr(**kwargs), norms)
   for x, y in zip(a, b):
     jax.tree.map(lambda p, q: np.testing.assert_array_equal(np.asarray(p), np.asarray(q)), x, y)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"priority": "magic"}, "priority"), ({"priority": "norm", "gap_decay": 1.0}, "gap_decay"),
-    ({"priority": "norm", "max_o": -1}, "max_o"), ({"priority": "gap", "t_lock": 1.5}, "t_lock"),
-    ({"priority": "random", "seed": -2}, "seed")])
-def test_invalid_arguments_raise_naming_them(kwargs, match):
+@pytest.mark.parametrize("make,kwargs,match", [
+    (research.gap, {"gap_decay": 1.0}, "gap_decay"), (gnmr_jax.norm_level, {"max_o": -1}, "max_o"),
+    (research.gap, {"t_lock": 1.5}, "t_lock"), (research.random, {"seed": -2}, "seed"),
+    (research.hybrid, {"alpha": 0.0}, "alpha")])
+def test_invalid_arguments_raise_naming_them(make, kwargs, match):
   args = {"max_o": 1, "t_lock": 0}
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
-    selection.prioritized(args.pop("priority"), **args)
+    make(**args)
+  config = base_config("tiny").gnmr
+  config.priority = "magic"
+  with pytest.raises(ValueError, match="config.gnmr.priority must be one of"):
+    control.from_config(config)
 
 
 def test_orbax_round_trip_and_sharded_state_continue_bitwise(tmp_path):
@@ -243,13 +253,13 @@ def test_orbax_round_trip_and_sharded_state_continue_bitwise(tmp_path):
   norms, rng = _norms(20, seed=4, nonfinite=False), np.random.default_rng(5)
   gaps = rng.lognormal(size=norms.shape).astype(np.float32)
   valid = rng.random(norms.shape) < 0.3
-  tx = selection.prioritized("gap", max_o=2, t_lock=2, layer_axis="u", gap_decay=0.5)
+  tx = research.gap(max_o=2, t_lock=2, layer_axis="u", gap_decay=0.5)
   mid = _run(tx, norms[:10], gaps[:10], valid[:10])[-1]
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(tmp_path / "ckpt", mid)
     ckpt.wait_until_finished()
     restored = ckpt.restore(tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, mid))
-  assert isinstance(restored, selection.PriorityState)
+  assert isinstance(restored, control.PriorityState)
 
   def cont(state):
     params = {"u": jnp.zeros((N, 1), jnp.float32)}
@@ -273,9 +283,9 @@ def test_orbax_round_trip_and_sharded_state_continue_bitwise(tmp_path):
 
 def test_config_selects_each_priority_and_refuses_a_gap_priority_without_measurements():
   config = base_config("tiny")
-  for priority in selection.PRIORITIES:
+  for priority in control.PRIORITIES:
     config.gnmr.priority = priority
-    config.diagnostics.recovery_gap_every = 10 if priority in selection.GAP_PRIORITIES else 0
+    config.diagnostics.recovery_gap_every = 10 if priority in control.GAP_PRIORITIES else 0
     config.gnmr.fixed_units = "attn/q" if priority == "fixed" else ""  # its set (1 unit)
     config.gnmr.last_blocks = 1 if priority == "last_blocks" else 0
     config.gnmr.switch_step = 5 if priority == "late_switch" else 0
@@ -285,7 +295,7 @@ def test_config_selects_each_priority_and_refuses_a_gap_priority_without_measure
     tx = optim.make_optimizer(config)
     state = tx.init({"layers": {"attn": {"q": {"kernel": jnp.zeros((2, 4, 4))}}}})
     gnmr_jax.controller_state(state)  # exactly one GNMRState, found inside
-    assert (selection.gap_estimate(state) is None) == (priority == "gnmr")
+    assert (control.gap_estimate(state) is None) == (priority == "gnmr")
   config.gnmr.priority, config.gnmr.fixed_units, config.gnmr.switch_step = "gap", "", 0
   config.diagnostics.recovery_gap_every = 0
   with pytest.raises(ValueError, match="recovery_gap_every"):
@@ -303,8 +313,8 @@ def test_config_selects_each_priority_and_refuses_a_gap_priority_without_measure
       validate_config(config, 1)
 
 
-def test_prioritized_chains_with_optax_and_passes_updates_through():
-  tx = optax.chain(selection.prioritized("norm", max_o=1, t_lock=0), optax.sgd(1.0))
+def test_norm_level_chains_with_optax_and_passes_updates_through():
+  tx = optax.chain(gnmr_jax.norm_level(max_o=1, t_lock=0), optax.sgd(1.0))
   params = {"a": jnp.ones((2, 2)), "b": jnp.ones((3, 3))}
   grads = {"a": 2 * jnp.ones((2, 2)), "b": jnp.ones((3, 3))}
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)

@@ -1,11 +1,21 @@
-"""Everything that decides the recovery mask: unit layout, the paper's rule, priorities, the gap.
+"""Everything that decides the recovery mask: unit layout, the controllers, the recovery gap.
+
+The controllers, one constructor each:
+  gnmr             the paper's rule, exactly (:func:`gnmr`, :class:`GNMRState`)
+  transient_alarm  the paper's rule at alpha 4 / beta 3 / t_lock 2: the config default
+  norm_level       the max_o units with the largest gradient norm
+  fixed_set, last_blocks, late_switch
+                   static recipes: a named set, the last layers, every unit from a step on
+  research         instruments and baselines: gap, relgap, oracle, hybrid, random, noise
+  from_config      the controller that ``config.gnmr.priority`` names
 
 Modules:
   units          which leaves are recoverable units; :class:`UnitLayout`, the per-unit codec;
                  :class:`UnitValues`, one state field over the units
-  paper          the paper's rule, exactly (:func:`gnmr`, :class:`GNMRState`); config default
-  priorities     budgeted controllers ranking by other signals (:func:`prioritized`: 'norm',
-                 'noise', 'gap', 'hybrid', 'random', 'fixed', ...)
+  paper          the paper's rule
+  priorities     the engine of the budgeted controllers (:class:`PriorityState`)
+  recommended    the constructors above, with the measurements that recommend each
+  research       the research instruments and baselines
   recovery_gap   the recovery-gap measurement (:func:`measure`, :class:`GapProbe`)
   state          readers: :func:`recovery_mask`, :func:`controller_state`
   config         :func:`from_config`, the controller of ``config.gnmr``
@@ -14,16 +24,14 @@ This package imports jax, optax and itself only: it never imports the precision 
 """
 
 from gnmr_jax.control import research as research
+from gnmr_jax.control.config import PRIORITIES as PRIORITIES
 from gnmr_jax.control.config import from_config as from_config
 from gnmr_jax.control.paper import GNMRState as GNMRState
 from gnmr_jax.control.paper import GNMRTelemetry as GNMRTelemetry
 from gnmr_jax.control.paper import gnmr as gnmr
 from gnmr_jax.control.priorities import GAP_PRIORITIES as GAP_PRIORITIES
-from gnmr_jax.control.priorities import PRIORITIES as PRIORITIES
 from gnmr_jax.control.priorities import PriorityState as PriorityState
 from gnmr_jax.control.priorities import needs_recovery_gap as needs_recovery_gap
-from gnmr_jax.control.priorities import prioritized as prioritized
-from gnmr_jax.control.priorities import random_recovery as random_recovery
 from gnmr_jax.control.recommended import fixed_set as fixed_set
 from gnmr_jax.control.recommended import last_blocks as last_blocks
 from gnmr_jax.control.recommended import late_switch as late_switch

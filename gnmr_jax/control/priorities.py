@@ -1,14 +1,16 @@
-"""Budgeted controllers that rank units by other signals than the paper's GNMR score.
+"""The engine of the budgeted controllers: units ranked by other signals than the paper's score.
 
-:func:`gnmr_jax.gnmr` is the paper's rule and stays exactly that. This module keeps
-its budget (``max_o`` units per step), its warmup and a lock, but ranks the units
-by one of these priorities:
+:func:`gnmr_jax.gnmr` is the paper's rule and stays exactly that. :func:`budgeted` keeps its
+budget (``max_o`` units per step), its warmup and a lock, but ranks the units by one of these
+priorities (each has its constructor, which checks its own arguments:
+:mod:`gnmr_jax.control.recommended` for 'norm' and the static recipes,
+:mod:`gnmr_jax.control.research` for the others; ``config.gnmr.priority`` names them for
+:func:`gnmr_jax.control.from_config`):
 
-  'gnmr'    the paper's rule (returns :func:`gnmr_jax.gnmr` itself).
   'norm'    the raw gradient-norm level ||g_u(t)||: the units with the largest
             gradients run the recovery path at t + 1. Free: the controller
             computes the norms anyway.
-  'gap'     a measured recovery gap e_u (gnmr_jax/recovery_gap.py: u's low-cost
+  'gap'     a measured recovery gap e_u (control/recovery_gap.py: u's low-cost
             against its recovery gradient), passed in by the train step every K
             steps (``recovery_gap=`` extra argument, a RecoveryGap); each unit
             keeps the estimate est <- gap_decay * est + (1 - gap_decay) * e_u (the
@@ -40,7 +42,7 @@ by one of these priorities:
             ``noise_rank='norm'`` by the gradient-norm level (pi_u then decides whether a
             unit is recovered, the norm level which). With ``noise_gate='any'`` every unit
             is a candidate while any unit's pi_u is over the threshold.
-  'fixed'   a static set: the units whose name matches the ``fixed_units`` regex (at most
+  'fixed'   a static set: the units whose name matches a regex (``fixed_pattern``; at most
             max_o of them) run the recovery path at every step after warmup; no signal,
             no lock. A set chosen in hindsight, or a practitioner's static recipe.
   'last_blocks'  NVIDIA's NVFP4 recipe: every unit of the last ``last_blocks`` layers (of
@@ -48,7 +50,7 @@ by one of these priorities:
   'late_switch'  a global late switch ("FP4 All the Way"): every unit on the recovery path
             from step ``switch_step`` on (max_o must cover every unit).
 
-Rules shared by every priority except 'gnmr', for the mask of step t + 1:
+Rules shared by every priority ('noise', static recipes: see above), for the mask of step t + 1:
 
   tier     = 3 if n_t is not finite (not for 'random', which stays uniform); 'hybrid'
              only: 2 if risky by the paper's rule (then ranked by the paper's score r);
@@ -58,8 +60,8 @@ Rules shared by every priority except 'gnmr', for the mask of step t + 1:
              lock - 1 for a locked unit, else 0
 
 so a unit that enters the mask stays in it for at least t_lock + 1 steps (unless
-non-finite units, or for 'hybrid' risky ones, take its place), the active set does not thrash between units of
-nearly equal priority, and a non-finite gradient is recovered at once. Every unit
+non-finite units, or for 'hybrid' risky ones, take its place), the active set does not
+thrash between units of nearly equal priority, and a non-finite gradient is recovered at once. Every unit
 is a candidate (these priorities are persistent signals, not alarms), so the mask
 holds min(max_o, N) units every step after warmup ('fixed': its set).
 
@@ -71,7 +73,8 @@ controller's, so :func:`gnmr_jax.recovery_mask` and the train loop read it uncha
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import re
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -81,8 +84,8 @@ from gnmr_jax.control import checks as _checks
 from gnmr_jax.control import paper as gnmr_lib
 from gnmr_jax.control import units as units_lib
 
-PRIORITIES = ("gnmr", "norm", "gap", "relgap", "oracle", "hybrid", "random", "fixed",
-              "last_blocks", "late_switch", "noise")
+BUDGETED_PRIORITIES = ("norm", "gap", "relgap", "oracle", "hybrid", "random", "fixed",
+                       "last_blocks", "late_switch", "noise")
 # Static recipes: a set fixed in advance (and, for 'late_switch', a step), no signal, no lock.
 STATIC_PRIORITIES = ("fixed", "last_blocks", "late_switch")
 NOISE_RANKS = ("pi", "norm")  # 'noise': how candidates beyond the alarm are ranked
@@ -95,7 +98,7 @@ PAPER_ALPHA, PAPER_BETA, PAPER_DELTA, PAPER_T_LOCK = 2.0, 1.5, 8, 5
 
 
 class PriorityState(NamedTuple):
-  """State of :func:`prioritized` (per-unit fields are UnitValues, like GNMRState's)."""
+  """State of :func:`budgeted` (per-unit fields are UnitValues, like GNMRState's)."""
   controller: gnmr_lib.GNMRState  # paper statistics; mask/lock/budget counts are ours
   gap: Any          # float32: recovery-gap estimate per unit (0 before the first measurement;
                     # 'relgap': of e_u / ||g_rec,u||)
@@ -106,99 +109,48 @@ class PriorityState(NamedTuple):
   rec_sq: Any       # float32: EMA of ||g_rec,u||^2; noise_sq / rec_sq is the noise fraction
 
 
-def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alpha=2.0,
-                beta=1.5, delta: int = 8, units=None, layer_axis=None, gap_decay: float = 0.0,
-                seed: int = 0, fixed_units=None, last_blocks: int = 0,
-                switch_step: int = 0, noise_upper: float = 1 / 3,
-                noise_lower: float = 1 / 6,
-                noise_rank: str = "pi",
-                noise_gate: str = "unit") -> optax.GradientTransformationExtraArgs:
-  """A budgeted recovery controller ranking units by ``priority`` (module docstring).
+def budgeted(priority: str, *, name: str, max_o: int, t_lock: int, warmup: int, alpha, beta,
+             delta: int, units, layer_axis, gap_decay: float = 0.0, seed: int = 0,
+             fixed_pattern: Optional[re.Pattern] = None, last_blocks: int = 0,
+             switch_step: int = 0, noise_upper: float = 1 / 3, noise_lower: float = 1 / 6,
+             noise_rank: str = "pi",
+             noise_gate: str = "unit") -> optax.GradientTransformationExtraArgs:
+  """The budgeted controller ranking units by ``priority`` (module docstring).
+
+  The engine behind the constructors (:func:`gnmr_jax.norm_level`, :func:`gnmr_jax.fixed_set`,
+  ..., :mod:`gnmr_jax.control.research`): each checks the arguments only its priority reads
+  (``gap_decay``, ``seed``, ``fixed_pattern``, ``last_blocks``, ``switch_step``, ``noise_*``)
+  and passes the others' defaults; this checks the shared ones, before any tracing.
 
   Args:
-    priority: one of :data:`PRIORITIES`.
+    priority: one of :data:`BUDGETED_PRIORITIES`.
+    name: the constructor's name, for error messages.
     max_o: units recovered per step (>= 0; capped at the number of units).
-    t_lock: steps a unit that enters the mask stays locked in (>= 0).
+    t_lock: steps a unit that enters the mask stays locked in (>= 0; static recipes: unused).
     warmup: first steps with an empty mask (>= 0).
-    alpha, beta, delta: the paper's thresholds and window, for the GNMR statistics
-      kept in the state (telemetry) and the hybrid's transient risk.
+    alpha, beta, delta: the paper's thresholds and window, for the GNMR statistics kept in
+      the state (telemetry) and the alarm of 'hybrid' and 'noise'.
     units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
-    gap_decay: 'gap'/'relgap' only: weight of the old estimate at each measurement, in [0, 1).
-    seed: 'random' only: seed of the draws.
-    fixed_units: 'fixed' only: a regex searched in the unit names
-      (:meth:`UnitLayout.names`: the leaf path, 'path[l]' for layer l of a stacked leaf);
-      the matching units (1 to max_o of them) are the set.
-    last_blocks: 'last_blocks' only: how many of the last layers (>= 1); their units (of every
-      layer-stacked leaf, at most max_o) are the set.
-    switch_step: 'late_switch' only: the first step run with every unit recovered (>= 1).
-    noise_upper, noise_lower: 'noise' only: a unit becomes a candidate above
-      ``noise_upper`` and stays one (while in the mask) down to ``noise_lower``
-      (0 <= noise_lower <= noise_upper, finite).
-    noise_rank: 'noise' only: how candidates beyond the paper's alarm are ranked when more
-      than max_o of them compete: 'pi' (by the noise fraction) or 'norm' (by the gradient-norm
-      level, as priority 'norm'): pi then decides whether a unit is recovered, the norm which.
-    noise_gate: 'noise' only: 'unit' (a unit is a candidate by its own pi_u) or 'any' (while
-      any unit's pi_u is above ``noise_upper``, or a unit in the mask stays at or above
-      ``noise_lower``, every unit is a candidate: pi decides whether to spend, ``noise_rank``
-      where).
+    gap_decay: 'gap', 'relgap', 'noise': weight of the old estimate at each measurement.
+    seed: 'random': seed of the draws.
+    fixed_pattern: 'fixed': the compiled regex searched in the unit names.
+    last_blocks: 'last_blocks': how many of the last layers.
+    switch_step: 'late_switch': the first step run with every unit recovered.
+    noise_upper, noise_lower, noise_rank, noise_gate: 'noise' (:func:`research.noise`).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` passing updates through; its
-    ``update`` takes an optional ``recovery_gap=`` (a RecoveryGap) extra argument.
-    For 'gnmr', :func:`gnmr_jax.gnmr` itself (which ignores ``recovery_gap``).
+    An ``optax.GradientTransformationExtraArgs`` passing updates through; its ``update``
+    takes an optional ``recovery_gap=`` (a RecoveryGap) extra argument.
 
   Raises:
-    ValueError: an unknown priority or an invalid argument, before any tracing; for the
+    ValueError: an unknown priority or an invalid shared argument, before any tracing; for the
       static recipes, at init, a set that is empty or larger than max_o.
-
-  Example:
-    The two units with the largest gradients are recovered at the next step:
-
-    >>> import jax.numpy as jnp, gnmr_jax
-    >>> from gnmr_jax import selection
-    >>> tx = selection.prioritized('norm', max_o=2, t_lock=0)
-    >>> params = {'a': jnp.ones((2, 2)), 'b': jnp.ones((2, 2)), 'c': jnp.ones((2, 2))}
-    >>> grads = {'a': 3 * jnp.ones((2, 2)), 'b': jnp.ones((2, 2)), 'c': 2 * jnp.ones((2, 2))}
-    >>> _, state = tx.update(grads, tx.init(params), params)
-    >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
-    {'a': True, 'b': False, 'c': True}
   """
-  if priority not in PRIORITIES:
-    raise ValueError(f"prioritized: `priority` must be one of {PRIORITIES}, got {priority!r}.")
-  if priority == "gnmr":
-    return gnmr_lib.gnmr(alpha=alpha, beta=beta, delta=delta, max_o=max_o, t_lock=t_lock,
-                         warmup=warmup, units=units, layer_axis=layer_axis)
-  for name, value in (("max_o", max_o), ("t_lock", t_lock), ("seed", seed)):
-    _checks.check_int(f"gnmr: `{name}`", value, 0, _checks.STATIC_HINT)
-  _checks.check_fraction("prioritized: `gap_decay`", gap_decay)
-  if priority == "oracle":
-    gap_decay = 0.0
-  fixed_pattern = None
-  if priority == "fixed":
-    if not isinstance(fixed_units, str) or not fixed_units:
-      raise ValueError(f"prioritized: priority 'fixed' needs `fixed_units`, a regex searched in "
-                       f"the unit names, got {fixed_units!r}.")
-    fixed_pattern = units_lib.compile_selector(fixed_units, "fixed_units")
-  elif fixed_units is not None:
-    raise ValueError(f"prioritized: `fixed_units` is read by priority 'fixed' only, not by "
+  if priority not in BUDGETED_PRIORITIES:
+    raise ValueError(f"{name}: the priority must be one of {BUDGETED_PRIORITIES}, got "
                      f"{priority!r}.")
-  for name, value, owner in (("last_blocks", last_blocks, "last_blocks"),
-                             ("switch_step", switch_step, "late_switch")):
-    _checks.check_int(f"prioritized: `{name}`", value, 1 if priority == owner else 0)
-    if value and priority != owner:
-      raise ValueError(f"prioritized: `{name}` is read by priority {owner!r} only, not by "
-                       f"{priority!r}.")
-  if noise_gate not in NOISE_GATES:
-    raise ValueError(f"prioritized: `noise_gate` must be one of {NOISE_GATES}, got "
-                     f"{noise_gate!r}.")
-  if noise_rank not in NOISE_RANKS:
-    raise ValueError(f"prioritized: `noise_rank` must be one of {NOISE_RANKS}, got "
-                     f"{noise_rank!r}.")
-  _checks.check_positive("prioritized: `noise_upper`", noise_upper)
-  if (isinstance(noise_lower, bool) or not isinstance(noise_lower, (int, float))
-      or not 0 <= noise_lower <= noise_upper):
-    raise ValueError(f"prioritized: `noise_lower` must be a float in [0, noise_upper="
-                     f"{noise_upper!r}], got {noise_lower!r}.")
+  for arg, value in (("max_o", max_o), ("t_lock", t_lock)):
+    _checks.check_int(f"{name}: `{arg}`", value, 0, _checks.STATIC_HINT)
   # The paper's statistics without its selection (max_o=0 never selects or locks).
   inner = gnmr_lib.gnmr(alpha=alpha, beta=beta, delta=delta, max_o=0, t_lock=0,
                         warmup=warmup, units=units, layer_axis=layer_axis)
@@ -208,8 +160,8 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
   def static_set(layout):
     """The static recipe's set as a bool [N] NumPy vector (names and shapes are static)."""
     if priority == "fixed":
-      in_set = [fixed_pattern.search(name) is not None for name in layout.names()]
-      what = f"`fixed_units` {fixed_units!r}"
+      in_set = [fixed_pattern.search(unit) is not None for unit in layout.names()]
+      what = f"the pattern {fixed_pattern.pattern!r}"
     elif priority == "last_blocks":
       in_set = []
       for info in layout:
@@ -217,13 +169,13 @@ def prioritized(priority: str, *, max_o: int, t_lock: int, warmup: int = 0, alph
           num_layers = info.unit_shape[0] if info.unit_shape else 1
           in_set.extend([info.layer_axis is not None and l >= num_layers - last_blocks
                          for l in range(num_layers)])
-      what = f"`last_blocks`={last_blocks} (units of layer-stacked leaves, see `layer_axis`)"
+      what = f"the last {last_blocks} block(s) (units of layer-stacked leaves, see `layer_axis`)"
     else:  # late_switch
       in_set = [True] * layout.num_units
       what = "'late_switch' (every unit)"
     if not any(in_set) or sum(in_set) > max_o:
       raise ValueError(
-          f"prioritized: {what} selects {sum(in_set)} units; a static set must hold 1 to "
+          f"{name}: {what} selects {sum(in_set)} units; a static set must hold 1 to "
           f"max_o={max_o} (the recovery budget and side buffer). Unit names are e.g. "
           f"{layout.names()[:6]}.")
     return jnp.asarray(in_set)
@@ -362,7 +314,7 @@ def _check_gap_layout(recovery_gap, layout) -> None:
            f"{want.get(name, 'no such leaf')}"
            for name in sorted(set(got) | set(want)) if got.get(name) != want.get(name)]
   raise ValueError(
-      "prioritized: the recovery_gap= argument has another unit layout than this controller "
+      "the recovery_gap= argument has another unit layout than this controller "
       "(per-unit leaf shapes: () is one unit, (L,) one unit per layer); measure it with the "
       "controller's `units` and `layer_axis` (recovery_gap.measure(..., units=..., "
       "layer_axis=...)). Differences: " + "; ".join(diffs[:8])
@@ -373,30 +325,3 @@ def needs_recovery_gap(priority: str) -> bool:
   """Whether a priority ranks by a measured recovery gap (the train step must measure it)."""
   return priority in GAP_PRIORITIES
 
-
-def random_recovery(max_o: int, seed: int = 0, *, units=None, layer_axis=None,
-                    warmup: int = 0, alpha: float = 2.0, beta: float = 1.5,
-                    delta: int = 8) -> optax.GradientTransformationExtraArgs:
-  """Recovers ``max_o`` units drawn uniformly at random each step (same budget as GNMR).
-
-  ``prioritized('random', t_lock=0)``: the paper's statistics (with ``alpha``/``beta``/
-  ``delta``, so the threshold-exceedance telemetry is comparable to a GNMR run) and, after
-  step ``warmup``, the mask for step t+1 is the first ``max_o`` entries of
-  ``jax.random.permutation(fold_in(key(seed), t), N)`` over the N units in tree order
-  (slices of layer-stacked leaves in layer order). Locks stay 0;
-  ``telemetry.num_active``/``active_unit_steps`` count the random mask.
-
-  Args:
-    max_o: units recovered per step (>= 0; capped at the number of units).
-    seed: seed of the draws.
-    units, layer_axis: as in :func:`gnmr_jax.gnmr`.
-    warmup: steps with an empty mask (>= 0).
-    alpha, beta, delta: thresholds of the paper's statistics (telemetry only).
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state holds a ``GNMRState``.
-  """
-  _checks.check_int("random_recovery: max_o", max_o, 0)
-  _checks.check_int("random_recovery: seed", seed, 0)
-  return prioritized("random", max_o=max_o, t_lock=0, warmup=warmup, alpha=alpha,
-                     beta=beta, delta=delta, units=units, layer_axis=layer_axis, seed=seed)

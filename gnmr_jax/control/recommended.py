@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import optax
 
+from gnmr_jax.control import checks as _checks
 from gnmr_jax.control import paper
 from gnmr_jax.control import priorities
+from gnmr_jax.control import units as units_lib
 from gnmr_jax.control.priorities import PAPER_ALPHA, PAPER_BETA, PAPER_DELTA, PAPER_T_LOCK
 
 # The transient alarm (config.gnmr's default): THRESHOLDS.md's cheapest setting of `make train`'s
@@ -120,8 +122,9 @@ def norm_level(*, max_o: int, t_lock: int = PAPER_T_LOCK, warmup: int = 0,
     >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
     {'a': True, 'b': False, 'c': True}
   """
-  return priorities.prioritized("norm", max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
-                                layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta)
+  return priorities.budgeted("norm", name="norm_level", max_o=max_o, t_lock=t_lock, warmup=warmup,
+                             units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
+                             delta=delta)
 
 
 def fixed_set(pattern: str, *, max_o: int, warmup: int = 0, units=None, layer_axis=None,
@@ -161,9 +164,13 @@ def fixed_set(pattern: str, *, max_o: int, warmup: int = 0, units=None, layer_ax
     >>> mask['down'].tolist(), mask['up'].tolist()
     ([True, True], [False, False])
   """
-  return priorities.prioritized("fixed", max_o=max_o, t_lock=0, warmup=warmup, units=units,
-                                layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta,
-                                fixed_units=pattern)
+  if not isinstance(pattern, str) or not pattern:
+    raise ValueError(f"fixed_set: `pattern` must be a regex searched in the unit names (e.g. "
+                     f"r'mlp/down'), got {pattern!r}.")
+  return priorities.budgeted("fixed", name="fixed_set", max_o=max_o, t_lock=0, warmup=warmup,
+                             units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
+                             delta=delta,
+                             fixed_pattern=units_lib.compile_selector(pattern, "pattern"))
 
 
 def last_blocks(num_blocks: int, *, max_o: int, warmup: int = 0, units=None, layer_axis=None,
@@ -202,9 +209,10 @@ def last_blocks(num_blocks: int, *, max_o: int, warmup: int = 0, units=None, lay
     >>> gnmr_jax.recovery_mask(state)['layers']['down'].tolist()
     [False, False, True]
   """
-  return priorities.prioritized("last_blocks", max_o=max_o, t_lock=0, warmup=warmup,
-                                units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
-                                delta=delta, last_blocks=num_blocks)
+  _checks.check_int("last_blocks: `num_blocks`", num_blocks, 1)
+  return priorities.budgeted("last_blocks", name="last_blocks", max_o=max_o, t_lock=0,
+                             warmup=warmup, units=units, layer_axis=layer_axis, alpha=alpha,
+                             beta=beta, delta=delta, last_blocks=num_blocks)
 
 
 def late_switch(switch_step: int, *, max_o: int, warmup: int = 0, units=None, layer_axis=None,
@@ -248,6 +256,7 @@ def late_switch(switch_step: int, *, max_o: int, warmup: int = 0, units=None, la
     3 ['a', 'b']
     4 ['a', 'b']
   """
-  return priorities.prioritized("late_switch", max_o=max_o, t_lock=0, warmup=warmup,
-                                units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
-                                delta=delta, switch_step=switch_step)
+  _checks.check_int("late_switch: `switch_step`", switch_step, 1)
+  return priorities.budgeted("late_switch", name="late_switch", max_o=max_o, t_lock=0,
+                             warmup=warmup, units=units, layer_axis=layer_axis, alpha=alpha,
+                             beta=beta, delta=delta, switch_step=switch_step)

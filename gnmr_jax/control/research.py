@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import optax
 
+from gnmr_jax.control import checks as _checks
 from gnmr_jax.control import priorities
 from gnmr_jax.control.priorities import PAPER_ALPHA, PAPER_BETA, PAPER_DELTA, PAPER_T_LOCK
 
@@ -71,9 +72,10 @@ def gap(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
     >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
     {'a': False, 'b': True}
   """
-  return priorities.prioritized("gap", max_o=max_o, t_lock=t_lock, gap_decay=gap_decay,
-                                warmup=warmup, units=units, layer_axis=layer_axis, alpha=alpha,
-                                beta=beta, delta=delta)
+  _checks.check_fraction("gap: `gap_decay`", gap_decay)
+  return priorities.budgeted("gap", name="gap", max_o=max_o, t_lock=t_lock, gap_decay=gap_decay,
+                             warmup=warmup, units=units, layer_axis=layer_axis, alpha=alpha,
+                             beta=beta, delta=delta)
 
 
 def relgap(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
@@ -108,9 +110,10 @@ def relgap(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
     >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
     {'a': False, 'b': True}
   """
-  return priorities.prioritized("relgap", max_o=max_o, t_lock=t_lock, gap_decay=gap_decay,
-                                warmup=warmup, units=units, layer_axis=layer_axis, alpha=alpha,
-                                beta=beta, delta=delta)
+  _checks.check_fraction("relgap: `gap_decay`", gap_decay)
+  return priorities.budgeted("relgap", name="relgap", max_o=max_o, t_lock=t_lock,
+                             gap_decay=gap_decay, warmup=warmup, units=units,
+                             layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta)
 
 
 def oracle(*, max_o: int, t_lock: int = PAPER_T_LOCK, warmup: int = 0, units=None,
@@ -139,8 +142,9 @@ def oracle(*, max_o: int, t_lock: int = PAPER_T_LOCK, warmup: int = 0, units=Non
     >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
     {'a': True, 'b': False}
   """
-  return priorities.prioritized("oracle", max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
-                                layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta)
+  return priorities.budgeted("oracle", name="oracle", max_o=max_o, t_lock=t_lock, warmup=warmup,
+                             units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
+                             delta=delta)
 
 
 def hybrid(*, max_o: int, t_lock: int = PAPER_T_LOCK, alpha: float = PAPER_ALPHA,
@@ -182,8 +186,9 @@ def hybrid(*, max_o: int, t_lock: int = PAPER_T_LOCK, alpha: float = PAPER_ALPHA
     ['a']
     ['b']
   """
-  return priorities.prioritized("hybrid", max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
-                                layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta)
+  return priorities.budgeted("hybrid", name="hybrid", max_o=max_o, t_lock=t_lock, warmup=warmup,
+                             units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
+                             delta=delta)
 
 
 def random(*, max_o: int, t_lock: int = PAPER_T_LOCK, seed: int = 0, warmup: int = 0,
@@ -223,9 +228,10 @@ def random(*, max_o: int, t_lock: int = PAPER_T_LOCK, seed: int = 0, warmup: int
     2
     2
   """
-  return priorities.prioritized("random", max_o=max_o, t_lock=t_lock, seed=seed, warmup=warmup,
-                                units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
-                                delta=delta)
+  _checks.check_int("random: `seed`", seed, 0, _checks.STATIC_HINT)
+  return priorities.budgeted("random", name="random", max_o=max_o, t_lock=t_lock, seed=seed,
+                             warmup=warmup, units=units, layer_axis=layer_axis, alpha=alpha,
+                             beta=beta, delta=delta)
 
 
 def noise(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
@@ -279,8 +285,18 @@ def noise(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
     >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
     {'a': False, 'b': True}
   """
-  return priorities.prioritized("noise", max_o=max_o, t_lock=t_lock, gap_decay=gap_decay,
-                                noise_upper=noise_upper, noise_lower=noise_lower,
-                                noise_rank=noise_rank, noise_gate=noise_gate, warmup=warmup,
-                                units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
-                                delta=delta)
+  _checks.check_fraction("noise: `gap_decay`", gap_decay)
+  for arg, value, choices in (("noise_rank", noise_rank, priorities.NOISE_RANKS),
+                              ("noise_gate", noise_gate, priorities.NOISE_GATES)):
+    if value not in choices:
+      raise ValueError(f"noise: `{arg}` must be one of {choices}, got {value!r}.")
+  _checks.check_positive("noise: `noise_upper`", noise_upper)
+  if (isinstance(noise_lower, bool) or not isinstance(noise_lower, (int, float))
+      or not 0 <= noise_lower <= noise_upper):
+    raise ValueError(f"noise: `noise_lower` must be a float in [0, noise_upper="
+                     f"{noise_upper!r}], got {noise_lower!r}.")
+  return priorities.budgeted("noise", name="noise", max_o=max_o, t_lock=t_lock,
+                             gap_decay=gap_decay, noise_upper=noise_upper,
+                             noise_lower=noise_lower, noise_rank=noise_rank,
+                             noise_gate=noise_gate, warmup=warmup, units=units,
+                             layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta)
