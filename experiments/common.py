@@ -23,6 +23,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from typing import Callable, Optional
@@ -91,7 +92,7 @@ class Arm:
     gnmr: overrides of config.gnmr.
     optimizer: overrides of config.optimizer.
     controller: 'gnmr' (the controller from config.gnmr) or 'random' (same-budget
-      random recovery, gnmr_jax.control.random_recovery).
+      random recovery, gnmr_jax.control.research.random with t_lock=0).
     clip: 'none', 'global' (optax.clip_by_global_norm(clip_value)), 'zclip' or
       'adagc' (gnmr_jax.clipping), applied before AdamW.
     clip_value: threshold of 'global'.
@@ -118,7 +119,7 @@ def arm_config(base: ml_collections.ConfigDict, arm: Arm, seed: int) -> ml_colle
   """The base config with the arm's overrides and the seed (params and data order).
 
   controller='random' selects config.gnmr.priority='random' with t_lock=0 (a fresh draw
-  every step, gnmr_jax.control.random_recovery).
+  every step, gnmr_jax.control.research.random).
   """
   config = ml_collections.ConfigDict(base.to_dict())
   config.precision.update(arm.precision)
@@ -356,9 +357,15 @@ def run_scenario(scenario: str, args, arms, config, heatmap_arm: str, notes: dic
                        time.time() - t0)
   print(f"wrote {path}")
   if not args.no_report:
-    from experiments import report  # pylint: disable=g-import-not-at-top
-    report.main([])
+    regenerate_report()
   return path
+
+
+def regenerate_report() -> None:
+  """Runs experiments/report.py (RESULTS.md and the figures) as its own program: the report
+  reads every driver's results, so the drivers' shared code does not import it."""
+  subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                               "report.py")], check=True)
 
 
 def standard_main(argv, doc: str, scenario: str, all_arms, base_fn, heatmap_arm: str,

@@ -438,6 +438,12 @@ class Transformer(nn.Module):
       logits_BxSxV = sharding.constrain(logits_BxSxV, ('batch', 'length', None))
     return logits_BxSxV
 
+  @nn.nowrap
+  def for_init(self) -> nn.Module:
+    """`for_init(self)`: what `sharding.init_unboxed` initialises (it asks the model, so the
+    sharding helpers do not import the model)."""
+    return for_init(self)
+
 
 def for_init(model: nn.Module) -> nn.Module:
   """The module whose `init` gives `model`'s params with the least to compile.

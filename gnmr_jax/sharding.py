@@ -245,7 +245,7 @@ def init_unboxed(model: nn.Module, rng: jax.Array, tokens: jax.Array):
   `with_sharding_constraint`s, which
   explicit axes turn into assertions on freshly initialised (replicated) values; there the
   rules are set aside for the init and the caller's jit `out_shardings` place p.
-  A gnmr_jax Transformer initialises with its layer scan rolled (`model.for_init`): the same
+  A gnmr_jax Transformer initialises with its layer scan rolled (`model.for_init()`): the same
   p, bit for bit, from a program that does not grow with depth.
   """
   model = _for_init(model)
@@ -254,8 +254,11 @@ def init_unboxed(model: nn.Module, rng: jax.Array, tokens: jax.Array):
 
 
 def _for_init(model: nn.Module) -> nn.Module:
-  from gnmr_jax.model import for_init  # pylint: disable=g-import-not-at-top  (model imports us)
-  return for_init(model)
+  """`model.for_init()` where the model has one (a gnmr_jax Transformer: the same params from its
+  scan rolled, `gnmr_jax.model.for_init`), else `model`: the model prepares itself, so these
+  helpers stay below it."""
+  prepare = getattr(model, 'for_init', None)
+  return prepare() if callable(prepare) else model
 
 
 def _rules_for_init():

@@ -1,0 +1,124 @@
+"""The package's shape: no module that only re-exports, no import circle (imports inside
+functions included), and the pre-0.2.0 compatibility paths gone."""
+import ast
+import importlib.util
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+REMOVED_MODULES = ("gnmr_jax.controller", "gnmr_jax.selection", "gnmr_jax.recovery_gap",
+                   "gnmr_jax.units", "gnmr_jax.baselines", "gnmr_jax._moved")
+
+
+def _modules(*roots):
+  """{dotted module name: path} of every .py file under the given repository folders."""
+  out = {}
+  for root in roots:
+    for path in sorted((REPO / root).rglob("*.py")):
+      parts = list(path.relative_to(REPO).with_suffix("").parts)
+      if parts[-1] == "__init__":
+        parts = parts[:-1]
+      out[".".join(parts)] = path
+  return out
+
+
+def _imported(name, path, modules):
+  """The modules of `modules` that `name` imports anywhere in its file (lazily too)."""
+  package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      found.update(a.name for a in node.names if a.name in modules)
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:  # relative: from .x import y
+        up = package.split(".")[:len(package.split(".")) - node.level + 1]
+        base = ".".join(up + ([node.module] if node.module else []))
+      for alias in node.names:
+        if f"{base}.{alias.name}" in modules:  # from package import module
+          found.add(f"{base}.{alias.name}")
+        elif base in modules:
+          found.add(base)
+  found.discard(name)
+  return found
+
+
+def _circles(graph):
+  """The strongly connected components of more than one module (Tarjan), each sorted."""
+  index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        circles.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return circles
+
+
+def test_circle_finder_finds_a_circle_through_a_lazy_import():
+  graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+  assert _circles(graph) == [["a", "b", "c"]]
+  assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("roots", [("gnmr_jax",), ("experiments",)])
+def test_no_import_circle(roots):
+  modules = _modules("gnmr_jax", "experiments")
+  graph = {name: _imported(name, path, modules) for name, path in modules.items()}
+  assert any(graph.values())  # the graph was read (the check has something to check)
+  circles = [c for c in _circles(graph) if any(m.split(".")[0] in roots for m in c)]
+  assert not circles, circles
+
+
+def _only_re_exports(path):
+  """Whether a module's top level holds nothing but its docstring, imports, aliases of imported
+  names (``x = module.x``) and dunders (``__all__``, ``__version__``)."""
+  for node in ast.parse(path.read_text()).body:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+      continue
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+      continue  # the docstring
+    if isinstance(node, ast.Assign) and (
+        isinstance(node.value, (ast.Name, ast.Attribute)) or
+        all(getattr(t, "id", "").startswith("__") for t in node.targets)):
+      continue
+    return False
+  return True
+
+
+def test_no_module_in_gnmr_jax_only_re_exports():
+  assert _only_re_exports(REPO / "gnmr_jax" / "__init__.py")  # the check knows one when it sees it
+  modules = [path for name, path in _modules("gnmr_jax").items()
+             if path.name != "__init__.py"]  # a package's __init__ is its public face
+  assert len(modules) > 20
+  assert not [str(p.relative_to(REPO)) for p in modules if _only_re_exports(p)]
+
+
+def test_the_compatibility_paths_are_gone():
+  from gnmr_jax import optim  # pylint: disable=g-import-not-at-top
+  for name in REMOVED_MODULES:
+    assert importlib.util.find_spec(name) is None, name
+  assert not hasattr(optim, "controller_from_config")
+  import gnmr_jax  # pylint: disable=g-import-not-at-top
+  assert not hasattr(gnmr_jax, "prioritized") and not hasattr(gnmr_jax.control, "prioritized")
+  assert not hasattr(gnmr_jax.control, "random_recovery")
