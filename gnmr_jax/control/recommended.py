@@ -144,9 +144,7 @@ def fixed_set(pattern: str, *, max_o: int, warmup: int = 0, units=None, layer_ax
   Args:
     pattern: a regex searched in the unit names; the 1 to ``max_o`` matching units are the set.
     max_o: the recovery budget (and side buffer) the set must fit in (>= 0).
-    warmup: first steps with an empty mask (>= 0).
-    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
-    alpha, beta, delta: thresholds of the paper's statistics kept in the state (telemetry).
+    warmup, units, layer_axis, alpha, beta, delta: as in :func:`norm_level`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` keeping a :class:`gnmr_jax.PriorityState`.
@@ -187,19 +185,10 @@ def last_blocks(num_blocks: int, *, max_o: int, warmup: int = 0, units=None, lay
   within the seeds' noise floor); on tensor4 it closed nothing (-0.01, 22.4% of unit-steps).
 
   Args:
-    num_blocks: how many of the last layers (>= 1).
-    max_o: the recovery budget (and side buffer) the set must fit in (>= 0).
-    warmup: first steps with an empty mask (>= 0).
-    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`; only layer-stacked
-      leaves have layers.
-    alpha, beta, delta: thresholds of the paper's statistics kept in the state (telemetry).
+    num_blocks: how many of the last layers (>= 1); only layer-stacked leaves have layers.
+    max_o, warmup, units, layer_axis, alpha, beta, delta: as in :func:`fixed_set`.
 
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` keeping a :class:`gnmr_jax.PriorityState`.
-
-  Raises:
-    ValueError: an invalid argument, before any tracing; at init, a set that is empty or larger
-      than ``max_o``.
+  Returns and Raises: as :func:`fixed_set`.
 
   Example:
     >>> import jax.numpy as jnp, gnmr_jax
@@ -231,16 +220,9 @@ def late_switch(switch_step: int, *, max_o: int, warmup: int = 0, units=None, la
   Args:
     switch_step: the first step run with every unit recovered (>= 1).
     max_o: the recovery budget; at least the number of units.
-    warmup: first steps with an empty mask (>= 0).
-    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
-    alpha, beta, delta: thresholds of the paper's statistics kept in the state (telemetry).
+    warmup, units, layer_axis, alpha, beta, delta: as in :func:`norm_level`.
 
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` keeping a :class:`gnmr_jax.PriorityState`.
-
-  Raises:
-    ValueError: an invalid argument, before any tracing; at init, ``max_o`` below the number of
-      units.
+  Returns and Raises: as :func:`fixed_set` (at init, ``max_o`` below the number of units).
 
   Example:
     The mask made at step 2 is used at step 3, the switch:

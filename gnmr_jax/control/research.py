@@ -132,15 +132,19 @@ def oracle(*, max_o: int, t_lock: int = PAPER_T_LOCK, warmup: int = 0, units=Non
     An ``optax.GradientTransformationExtraArgs``; ``update`` takes ``recovery_gap=``.
 
   Example:
-    >>> import jax.numpy as jnp, gnmr_jax
+    The mask follows the last measurement (e_a: 4, then 0; e_b: 2):
+
     >>> from gnmr_jax.control import recovery_gap, research
-    >>> tx = research.oracle(max_o=1, t_lock=0)
-    >>> params = {'a': jnp.ones((2, 2)), 'b': jnp.ones((2, 2))}
-    >>> rec = {'a': 3 * jnp.ones((2, 2)), 'b': 2 * jnp.ones((2, 2))}
-    >>> measured = recovery_gap.unit_gaps(params, rec)            # e_a = 4, e_b = 2
-    >>> _, state = tx.update(params, tx.init(params), params, recovery_gap=measured)
-    >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
-    {'a': True, 'b': False}
+    >>> import jax.numpy as jnp, gnmr_jax
+    >>> tx, ones = research.oracle(max_o=1, t_lock=0), jnp.ones((2, 2))
+    >>> params = {'a': ones, 'b': ones}
+    >>> state = tx.init(params)
+    >>> for rec_a in (3.0, 1.0):
+    ...   measured = recovery_gap.unit_gaps(params, {'a': rec_a * ones, 'b': 2 * ones})
+    ...   _, state = tx.update(params, state, params, recovery_gap=measured)
+    ...   print([k for k, v in gnmr_jax.recovery_mask(state).items() if v])
+    ['a']
+    ['b']
   """
   return priorities.budgeted("oracle", name="oracle", max_o=max_o, t_lock=t_lock, warmup=warmup,
                              units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
@@ -205,12 +209,8 @@ def random(*, max_o: int, t_lock: int = PAPER_T_LOCK, seed: int = 0, warmup: int
   of unit-steps): a budget spent blindly buys nothing there.
 
   Args:
-    max_o: units recovered per step (>= 0).
-    t_lock: lock of a unit that enters the mask (>= 0).
     seed: seed of the draws (>= 0).
-    warmup: first steps with an empty mask (>= 0).
-    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
-    alpha, beta, delta: thresholds of the paper's statistics kept in the state (telemetry).
+    max_o, t_lock, warmup, units, layer_axis, alpha, beta, delta: as in :func:`gap`.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` keeping a :class:`gnmr_jax.PriorityState`.
