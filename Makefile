@@ -6,7 +6,13 @@ STAMP := $(VENV)/.installed
 WORKDIR ?= workdirs/tiny
 CONFIG ?= configs/tiny.py
 
-.PHONY: train test venv bench clean
+# The deviceless AOT compilers (libtpu, the CUDA PJRT plugin and ptxas) live in .venv-aot, which
+# also sees .venv's packages through a .pth file: plain CPU runs in .venv never load libtpu.
+AOT_VENV := .venv-aot
+AOT_STAMP := $(AOT_VENV)/.installed
+TARGET ?= h100
+
+.PHONY: train test venv bench clean aot aot-venv
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,15 +23,31 @@ $(STAMP): pyproject.toml requirements.lock
 
 venv: $(STAMP)
 
+$(AOT_STAMP): $(STAMP) requirements-aot.lock
+	test -x $(AOT_VENV)/bin/python || $(PY) -m venv $(AOT_VENV)
+	$(AOT_VENV)/bin/python scripts/aot_venv_link.py "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(AOT_VENV)/bin/python -m pip install -q --no-deps -r requirements-aot.lock
+	touch $(AOT_STAMP)
+
+aot-venv: $(AOT_STAMP)
+
+# make aot CONFIG=configs/llama.py:1b TARGET=v5e-4 ARGS='--config.mesh.fsdp=-1 --json=aot.json'
+aot: $(AOT_STAMP)
+	$(AOT_VENV)/bin/python -m gnmr_jax.aot --config=$(CONFIG) --target=$(TARGET) $(ARGS)
+
 train: $(STAMP)
 	$(BIN)/python train.py --config=$(CONFIG) --workdir=$(WORKDIR)
 
-# Two workers, one file each at a time, longest files first (tests/conftest.py: SECONDS).
-test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
+# Two workers, one file each at a time, longest files first (tests/conftest.py: SECONDS); then
+# the AOT tier (programs compiled for TPU and GPU targets) in .venv-aot.
+test: $(STAMP) $(AOT_STAMP)
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
+	    --ignore=tests/aot tests
+	GNMR_AOT_REQUIRED=1 $(AOT_VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=10 \
+	    tests/aot
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/controller_overhead.py
 
 clean:
-	rm -rf $(VENV) workdirs
+	rm -rf $(VENV) $(AOT_VENV) workdirs

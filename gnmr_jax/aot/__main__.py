@@ -1,0 +1,91 @@
+"""Compile a config's steps for an accelerator, with no accelerator:
+
+  .venv-aot/bin/python -m gnmr_jax.aot --config=configs/llama.py:1b --target=h100 \
+      --config.precision.low_cost_path=fp8 --json=aot.json
+
+Prints per step: memory per device and whether it fits, compile seconds, GEMMs by operand and
+result dtype, conditionals, loops and collectives. Exit 0 when every step fits, 3 when one does
+not (the report says which, and --fit_batch finds the largest batch that fits), 2 on bad input
+or a missing install.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+from gnmr_jax.aot import compile as compile_lib
+from gnmr_jax.aot import report as report_lib
+from gnmr_jax.aot import targets as targets_lib
+
+_CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
+                                          lock_config=True)
+_TARGET = flags.DEFINE_string('target', None, 'Accelerator: ' + ', '.join(
+    targets_lib.target_names()))
+_STEPS = flags.DEFINE_list('steps', list(compile_lib.STEPS), 'Steps to compile.')
+_JSON = flags.DEFINE_string('json', None, 'Also write the report here as JSON.')
+_FIT_BATCH = flags.DEFINE_bool(
+    'fit_batch', False, 'When the config\'s batch does not fit, halve it until it does and '
+    'report the largest batch that fits.')
+flags.mark_flags_as_required(['config', 'target'])
+
+USER_ERRORS = (ValueError, TypeError, KeyError, AttributeError, FileNotFoundError,
+               compile_lib.AotSetupError)
+EXIT_DOES_NOT_FIT = 3
+
+
+def _parse_flags(argv):
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f'gnmr_jax.aot: {e}', file=sys.stderr)
+    sys.exit(2)
+  except USER_ERRORS as e:  # config_flags reports unknown --config.* keys this way
+    print(f'gnmr_jax.aot: bad --config override: {e}'.replace('\\n', ' '), file=sys.stderr)
+    sys.exit(2)
+
+
+def compile_fitting(config, target: str, steps, fit_batch: bool) -> dict:
+  """compile_config, then (with fit_batch) halving the batch while a step does not fit."""
+  report = compile_lib.compile_config(config, target, steps)
+  if not fit_batch or compile_lib.fits(report):
+    return report
+  first, config = report, config.copy_and_resolve_references()
+  while not compile_lib.fits(report) and config.data.batch_size % 2 == 0:
+    config.data.batch_size //= 2
+    try:
+      report = compile_lib.compile_config(config, target, steps)
+    except ValueError:  # the batch no longer divides over the mesh
+      break
+  first['largest_fitting_batch'] = (config.data.batch_size if compile_lib.fits(report)
+                                    else None)
+  first['fitting_report'] = report if compile_lib.fits(report) else None
+  return first
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  try:
+    report = compile_fitting(_CONFIG.value, _TARGET.value, _STEPS.value, _FIT_BATCH.value)
+  except USER_ERRORS as e:
+    print(f'gnmr_jax.aot: error: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(report_lib.format_report(report))
+  if 'largest_fitting_batch' in report:
+    found = report['largest_fitting_batch']
+    print(f'largest batch that fits: {found}' if found else
+          'no batch down to the smallest the mesh divides fits')
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      json.dump(report, f, indent=1, sort_keys=True)
+  if not compile_lib.fits(report):
+    sys.exit(EXIT_DOES_NOT_FIT)
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,349 @@
+"""What a compiled program runs, read from its optimized HLO text (``compiled.as_text()``).
+
+The inventory lists every GEMM with its operand and result dtypes (GPU: the cuBLASLt / cuBLAS /
+cuDNN custom calls and any ``dot`` left to a fusion; TPU: ``convolution``, which is how the MXU's
+matmuls appear), the conditionals with the GEMMs of each branch, the loops with their trip
+counts, and the collectives with the bytes of their largest buffer. Counts are of instructions
+in the program; ``executions`` multiplies each by the trip counts of the loops around it.
+
+Example:
+  >>> hlo = '''HloModule m
+  ... ENTRY %main (a: s8[4,8], b: s8[8,2]) -> s32[4,2] {
+  ...   %a = s8[4,8]{1,0} parameter(0)
+  ...   %b = s8[8,2]{1,0} parameter(1)
+  ...   ROOT %gemm = (s32[4,2]{1,0}, s8[64]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(f)/dot_general"}
+  ... }'''
+  >>> [(g.kind, g.lhs, g.rhs, g.result) for g in parse(hlo).gemms]
+  [('cublaslt', 's8', 's8', 's32')]
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+# custom-call target -> GEMM kind
+GEMM_TARGETS = {
+    '__cublas$lt$matmul$f8': 'cublaslt_fp8',
+    '__cublas$lt$matmul': 'cublaslt',
+    '__cublas$gemm': 'cublas',
+    '__cudnn$blockScaledDot': 'cudnn_block_scaled',
+}
+COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'all-to-all', 'collective-permute',
+               'ragged-all-to-all', 'collective-broadcast')
+_DTYPE_BYTES = {'pred': 1, 's4': 0.5, 'u4': 0.5, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 's32': 4,
+                'u32': 4, 's64': 8, 'u64': 8, 'f16': 2, 'bf16': 2, 'f32': 4, 'f64': 8,
+                'c64': 8, 'c128': 16}
+_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
+_COMPUTATION = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$')
+_CALLEES = re.compile(
+    r'\b(calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)')
+_BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+# The JAX op name of a gnmr_jax Transformer projection's matmul (forward, or its transposes in
+# the backward pass): '.../layers/attn/q/...' or, routed, '.../layers/mlp/up/cond/branch_0_fun/...'
+PROJECTION_OP = re.compile(r'/layers/(?:attn|mlp)/(q|k|v|o|gate|up|down)/')
+
+
+def dtype_bytes(dtype: str) -> float:
+  """Bytes per element (fp8 / e8m0: 1, fp4: 0.5)."""
+  if dtype.startswith('f8'):
+    return 1
+  if dtype.startswith('f4'):
+    return 0.5
+  return _DTYPE_BYTES.get(dtype, 4)
+
+
+def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+  """The (dtype, shape) of every array in an HLO type (an array or a tuple)."""
+  return [(d, tuple(int(x) for x in s.split(',') if x))
+          for d, s in _ARRAY.findall(type_text) if d in _DTYPE_BYTES or d[:2] in ('f8', 'f4')]
+
+
+def nbytes(type_text: str) -> int:
+  """Bytes of the largest array in an HLO type."""
+  return int(max((math.prod(s) * dtype_bytes(d) for d, s in arrays(type_text)), default=0))
+
+
+@dataclasses.dataclass
+class Instruction:
+  name: str
+  computation: str
+  type: str        # result type text
+  opcode: str
+  operands: list   # operand instruction names
+  attributes: str  # everything after the operand list
+  raw_operands: str = ''  # the text between the opcode's parentheses
+
+
+@dataclasses.dataclass
+class Gemm:
+  """One GEMM of the program.
+
+  Attributes:
+    kind: 'cublaslt_fp8', 'cublaslt', 'cublas', 'cudnn_block_scaled' (GPU custom calls),
+      'convolution' (TPU MXU), or 'dot' (a dot XLA kept as such, e.g. inside a fusion).
+    lhs, rhs, result: dtypes ('f8e4m3fn', 's8', 'bf16', 's32', ...).
+    result_shape: the (first) result's shape.
+    op_name: the JAX op it came from (metadata), e.g. '.../layers/mlp/up/dot_general';
+      'transpose(' in it marks a backward leg.
+    computation: the HLO computation holding it.
+    branches: ((conditional, branch index), ...) of the conditional branches around it,
+      outermost first; () outside any. Index 0 is the false branch of a boolean conditional
+      (a routed unit's low-cost path: nothing recovered), 1 the true one.
+    executions: how many times one step runs it (loop trip counts multiplied; every branch
+      counted as if taken).
+  """
+  kind: str
+  lhs: str
+  rhs: str
+  result: str
+  result_shape: tuple
+  op_name: str
+  computation: str
+  branches: tuple = ()
+  executions: int = 1
+  flops: int = 0   # of one execution: 2 * result elements * contraction size
+
+  @property
+  def total_flops(self) -> int:
+    return self.flops * self.executions
+
+  @property
+  def backward(self) -> bool:
+    return 'transpose(' in self.op_name
+
+  @property
+  def projection(self) -> str | None:
+    """The Transformer projection ('q', ..., 'down') this GEMM computes, or None.
+
+    XLA merges GEMMs that share an operand (q, k and v of one input; gate and up); the merged
+    GEMM carries one of their names, so count FLOPs rather than names per projection.
+    """
+    match = PROJECTION_OP.search(self.op_name)
+    return match.group(1) if match else None
+
+
+@dataclasses.dataclass
+class Inventory:
+  """The parsed program: instructions by name and what ran where."""
+  instructions: dict
+  computations: dict            # name -> [instruction names]
+  entry: str
+  gemms: list
+  conditionals: dict            # conditional name -> [branch computations]
+  loops: dict                   # while name -> trip count (None: unknown)
+  collectives: list             # (opcode, bytes of the largest buffer, executions)
+
+  def gemm_counts(self) -> dict:
+    """'<kind> <lhs> x <rhs> -> <result>' -> number of GEMM instructions."""
+    return dict(collections.Counter(
+        f'{g.kind} {g.lhs} x {g.rhs} -> {g.result}' for g in self.gemms))
+
+  def taken(self, branch: int | None = 0) -> list[Gemm]:
+    """The GEMMs a step runs when every conditional takes `branch` (0: a routed step with
+    nothing recovered, 1: everything recovered); None: every GEMM of the program."""
+    return [g for g in self.gemms
+            if branch is None or all(index == branch for _, index in g.branches)]
+
+  def flops_by_kind(self, branch: int | None = 0, projection: bool | None = None) -> dict:
+    """'<kind> <lhs> x <rhs> -> <result>' -> FLOPs of one step (executions counted).
+
+    Args:
+      branch: as in `taken`.
+      projection: True counts only the Transformer projections' GEMMs, False only the others
+        (attention, output head), None all.
+    """
+    out = collections.Counter()
+    for g in self.taken(branch):
+      if projection is None or (g.projection is not None) == projection:
+        out[f'{g.kind} {g.lhs} x {g.rhs} -> {g.result}'] += g.total_flops
+    return dict(out)
+
+  def collective_summary(self) -> dict:
+    """opcode -> {'count', 'bytes' (sum of largest buffers, times executions)}."""
+    out = {}
+    for opcode, size, executions in self.collectives:
+      entry = out.setdefault(opcode, {'count': 0, 'bytes': 0})
+      entry['count'] += 1
+      entry['bytes'] += size * executions
+    return out
+
+  def branch_gemms(self, conditional: str) -> list[list[Gemm]]:
+    """The GEMMs under each branch of `conditional` (nested conditionals included)."""
+    return [[g for g in self.gemms if (conditional, index) in g.branches]
+            for index in range(len(self.conditionals[conditional]))]
+
+
+def _balanced(text: str, start: int) -> int:
+  """Index just past the bracket group opening at text[start]."""
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] in '([{':
+      depth += 1
+    elif text[i] in ')]}':
+      depth -= 1
+      if depth == 0:
+        return i + 1
+  return len(text)
+
+
+def _instruction(line: str, computation: str) -> Instruction | None:
+  match = re.match(r'\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*', line)
+  if not match:
+    return None
+  pos = match.end()
+  if line[pos] == '(':
+    end = _balanced(line, pos)
+  else:
+    end = line.index(' ', pos)
+  type_text = line[pos:end]
+  rest = line[end:].lstrip()
+  op = re.match(r'([\w\-]+)\(', rest)
+  if not op:
+    return None
+  close = _balanced(rest, op.end() - 1)
+  operands = re.findall(r'%([\w.\-]+)', rest[op.end():close - 1])
+  return Instruction(match.group(1), computation, type_text, op.group(1), operands,
+                     rest[close:], rest[op.end():close - 1])
+
+
+def _callees(instruction: Instruction) -> list[str]:
+  names = [m.group(2) for m in _CALLEES.finditer(instruction.attributes)]
+  for group in _BRANCHES.findall(instruction.attributes):
+    names += re.findall(r'%([\w.\-]+)', group)
+  return names
+
+
+def _branches(instruction: Instruction) -> list[str]:
+  group = _BRANCHES.search(instruction.attributes)
+  if group:
+    return re.findall(r'%([\w.\-]+)', group.group(1))
+  false = re.search(r'false_computation=%([\w.\-]+)', instruction.attributes)
+  true = re.search(r'true_computation=%([\w.\-]+)', instruction.attributes)
+  return [m.group(1) for m in (false, true) if m]  # indexed by the predicate's value
+
+
+def _gemm_kind(instruction: Instruction) -> str | None:
+  if instruction.opcode == 'custom-call':
+    target = _TARGET.search(instruction.attributes)
+    return GEMM_TARGETS.get(target.group(1)) if target else None
+  if instruction.opcode in ('convolution', 'dot'):
+    return instruction.opcode
+  return None
+
+
+def _contraction_size(instruction: Instruction, operand_shapes: list) -> int:
+  """Elements summed per output element (K), or 0 when the operands are unknown."""
+  if not operand_shapes or operand_shapes[0] is None:
+    return 0
+  attributes = instruction.attributes
+  if instruction.opcode == 'convolution':
+    # dim_labels=<lhs>_<rhs>-><out>: every rhs dimension but the output feature 'o' is summed.
+    labels = re.search(r'dim_labels=\w+_(\w+)->', attributes)
+    rhs = operand_shapes[1] if len(operand_shapes) > 1 else None
+    if not labels or rhs is None or len(labels.group(1)) != len(rhs):
+      return 0
+    return math.prod(d for d, label in zip(rhs, labels.group(1)) if label != 'o')
+  if instruction.opcode == 'dot':
+    dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', attributes)
+  else:
+    dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attributes)
+  if not dims:
+    return 0
+  lhs = operand_shapes[0]
+  indices = [int(d) for d in re.findall(r'\d+', dims.group(1))]
+  return math.prod(lhs[i] for i in indices if i < len(lhs))
+
+
+def parse(hlo_text: str) -> Inventory:
+  """The inventory of an optimized HLO module's text."""
+  instructions, computations, entry, current = {}, {}, None, None
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header and not line.startswith(' '):
+      current = header.group(2)
+      computations[current] = []
+      if header.group(1):
+        entry = current
+      continue
+    if current is None:
+      continue
+    instruction = _instruction(line, current)
+    if instruction is not None:
+      instructions[instruction.name] = instruction
+      computations[current].append(instruction.name)
+  if entry is None:
+    raise ValueError('not an HLO module text: no ENTRY computation')
+
+  def _counted_trip(condition):
+    """N of a condition `i < N` with N a constant (jax's scans count from 0 by 1), or None.
+
+    TPU programs carry no known_trip_count; their loop conditions read this way.
+    """
+    for name in computations.get(condition, ()):
+      compare = instructions[name]
+      if compare.opcode != 'compare' or 'direction=LT' not in compare.attributes:
+        continue
+      for operand in compare.operands[1:]:
+        constant = instructions.get(operand)
+        if constant is not None and constant.opcode == 'constant':
+          value = re.match(r'\s*(\d+)\s*$', constant.raw_operands)
+          if value:
+            return int(value.group(1))
+    return None
+
+  gemms, conditionals, loops, collectives = [], {}, {}, []
+  executions = collections.Counter()
+  branch_of = {}
+
+  def walk(computation, times, branch, depth=0):  # branch: the path of (conditional, index)
+    if depth > 64:
+      raise ValueError('HLO call graph deeper than 64 levels')
+    for name in computations.get(computation, ()):
+      instruction = instructions[name]
+      executions[name] += times
+      if name not in branch_of:
+        branch_of[name] = branch
+      if instruction.opcode == 'while':
+        body = re.search(r'\bbody=%([\w.\-]+)', instruction.attributes).group(1)
+        cond = re.search(r'\bcondition=%([\w.\-]+)', instruction.attributes).group(1)
+        trip = _TRIP.search(instruction.attributes)
+        loops[name] = int(trip.group(1)) if trip else _counted_trip(cond)
+        inner = times * (loops[name] or 1)
+        walk(body, inner, branch, depth + 1)
+        walk(cond, inner, branch, depth + 1)
+      elif instruction.opcode == 'conditional':
+        conditionals[name] = _branches(instruction)
+        for index, callee in enumerate(conditionals[name]):
+          walk(callee, times, branch + ((name, index),), depth + 1)
+      else:
+        for callee in _callees(instruction):
+          walk(callee, times, branch, depth + 1)
+
+  walk(entry, 1, ())
+  for name, count in executions.items():
+    instruction = instructions[name]
+    kind = _gemm_kind(instruction)
+    if kind is not None:
+      result_dtype, result_shape = (arrays(instruction.type) or [('?', ())])[0]
+      operands = [(arrays(instructions[o].type) or [('?', None)])[0]
+                  if o in instructions else ('?', None) for o in instruction.operands[:2]]
+      operands += [('?', None)] * (2 - len(operands))
+      op_name = _OP_NAME.search(instruction.attributes)
+      flops = 2 * math.prod(result_shape) * _contraction_size(
+          instruction, [shape for _, shape in operands])
+      gemms.append(Gemm(kind, operands[0][0], operands[1][0], result_dtype, result_shape,
+                        op_name.group(1) if op_name else '', instruction.computation,
+                        branch_of[name], count, flops))
+    base = instruction.opcode.removesuffix('-start')
+    if base in COLLECTIVES and not instruction.opcode.endswith('-done'):
+      size = max([nbytes(instruction.type)]
+                 + [nbytes(instructions[o].type) for o in instruction.operands
+                    if o in instructions])
+      collectives.append((base, size, count))
+  return Inventory(instructions, computations, entry, gemms, conditionals, loops, collectives)

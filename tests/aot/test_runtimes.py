@@ -1,0 +1,53 @@
+"""The emulated microscaling paths compile for H100 and TPU, and the notebook's config compiles
+for Colab's runtimes on the path the picker chooses for each runtime's device."""
+
+import pytest
+
+from aot_helpers import compiled, kinds, load_config, projection_gemms
+from gnmr_jax.aot import compile as compile_lib
+from gnmr_jax.aot import inventory as inventory_lib
+from gnmr_jax.aot import targets as targets_lib
+from gnmr_jax.precision import default_low_cost_path
+
+# Each path in both modes and on both targets (a Latin square: 4 compiles instead of 8).
+MICROSCALING = [('h100', 'static', 'nvfp4'), ('v5e-1', 'gnmr', 'nvfp4'),
+                ('v5e-1', 'static', 'mxfp8'), ('h100', 'gnmr', 'mxfp8')]
+
+
+@pytest.mark.parametrize('target,mode,path', MICROSCALING)
+def test_emulated_microscaling_paths_compile(target, mode, path):
+  _, report, inventory = compiled(target, mode, path)
+  assert report['steps']['train']['fits']
+  # Emulated: block-scaled values go into a wide dot, never a native block-scaled GEMM.
+  gemms = projection_gemms(inventory)
+  assert gemms and not any(g.kind == 'cudnn_block_scaled' for g in gemms)
+  assert all(g.lhs in ('bf16', 'f32') for g in gemms), kinds(gemms)
+  if mode == 'gnmr':
+    assert report['steps']['train']['conditionals'] > 0
+
+
+# Colab's runtimes: TPU v5e-1 and v6e-1, GPU T4 (free), L4 and A100; the picker's choice on each.
+COLAB = {'v5e-1': 'int8', 'v6e-1': 'int8', 't4': 'int8', 'l4': 'fp8', 'a100': 'int8'}
+LOW_COST_KINDS = {
+    'int8': {'convolution s8 x s8 -> s32', 'cublaslt s8 x s8 -> s32', 'cublas s8 x s8 -> s32'},
+    'fp8': {'cublaslt_fp8 f8e4m3fn x f8e4m3fn -> f32', 'cublaslt_fp8 f8e5m2 x f8e4m3fn -> f32',
+            'cublaslt_fp8 f8e4m3fn x f8e5m2 -> f32'},
+}
+
+
+@pytest.mark.parametrize('target', sorted(COLAB))
+def test_quickstart_config_compiles_for_colab_runtimes_on_the_picked_path(target):
+  """notebooks/quickstart.ipynb's config, routed, with low_cost_path = default_low_cost_path();
+  its SMALL size (configs/tiny.py:runlocal) here: XLA:TPU takes minutes per compile of the
+  accelerator size (configs/small.py) on 2 cores; BENCHMARKS.md "Compiled for" has it."""
+  devices = compile_lib.topology_devices(targets_lib.get_target(target))
+  path = default_low_cost_path(devices[0])       # called on the runtime's own device object
+  assert path == COLAB[target]                   # never fp8 where there are no fp8 tensor cores
+  config = load_config('tiny', 'runlocal')
+  config.precision.low_cost_path = path
+  report = compile_lib.compile_config(config, target, steps=('train',), keep_hlo=True)
+  step = report['steps']['train']
+  inventory = inventory_lib.parse(step.pop('hlo'))
+  low_cost = projection_gemms(inventory, branch=0)
+  assert low_cost and kinds(low_cost) <= LOW_COST_KINDS[path], kinds(low_cost)
+  assert step['fits'] and step['conditionals'] >= 14

@@ -1,0 +1,97 @@
+"""The tool itself: every config compiles for a target it is meant for, the command line's
+report and exit codes, and `train_loop.build` on a topology mesh."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from aot_helpers import REPO, load_config
+from gnmr_jax import sharding, train_loop
+from gnmr_jax.aot import compile as compile_lib
+from gnmr_jax.aot import targets as targets_lib
+
+# configs/<file>:<arg> -> a target it is meant for. GPUs here: XLA:TPU takes a minute or more
+# per multi-chip compile on 2 cores, so the TPU slices (v5e-4, v5p-64) are in BENCHMARKS.md's
+# "Compiled for" (scripts/aot_report.py) and the tier keeps one v5e-4 compile (the CLI test).
+CONFIGS = {('tiny', None): 't4', ('small', None): 'h100', ('llama', '60m'): 'l4',
+           ('llama', '130m'): 'a100', ('llama', '350m'): 'h200', ('llama', '1b'): 'h100',
+           ('llama', '7b'): 'h100:8', ('llama', '13b'): 'h100:2x8'}
+
+
+def test_every_config_file_and_variant_is_listed():
+  files = {name[:-3] for name in os.listdir(os.path.join(REPO, 'configs'))
+           if name.endswith('.py') and not name.startswith('_')}
+  assert files == {name for name, _ in CONFIGS}
+  spec = importlib.util.spec_from_file_location('llama_sizes', os.path.join(REPO, 'configs',
+                                                                            'llama.py'))
+  llama = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(llama)
+  assert {arg for name, arg in CONFIGS if name == 'llama'} == set(llama.PAPER_SIZES)
+
+
+@pytest.mark.parametrize('name,arg', sorted(CONFIGS, key=str))
+def test_every_config_compiles_for_its_target(name, arg):
+  """Each config's eval step at one layer, its own width, sequence, vocabulary and batch, on its
+  mesh over the target (BENCHMARKS.md "Compiled for" has the train steps at full depth)."""
+  config = load_config(name, arg)
+  config.model.num_layers = 1
+  target = targets_lib.get_target(CONFIGS[name, arg])
+  if target.num_hosts > 1:  # fsdp over hosts, tensor parallel inside a host
+    per_host = target.num_devices // target.num_hosts
+    config.mesh.tensor, config.mesh.fsdp = min(per_host, 8), -1
+  report = compile_lib.compile_config(config, target, steps=('eval',))
+  step = report['steps']['eval']
+  assert step['fits'], step['memory']
+  assert report['num_hosts'] == target.num_hosts
+  if target.num_devices > 1:
+    assert step['collectives'], 'a sharded step moves data between devices'
+
+
+def test_build_on_a_topology_mesh_is_abstract():
+  devices = compile_lib.topology_devices(targets_lib.get_target('v5e-4'))
+  config = load_config('tiny', 'runlocal')
+  mesh = sharding.make_mesh(config.mesh, devices)
+  run, state, batch = compile_lib.build_abstract(config, devices)
+  assert run.mesh.devices.size == 4 and dict(run.mesh.shape)['fsdp'] == 4
+  assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree_util.tree_leaves(state))
+  assert batch['inputs'].sharding.mesh.devices.size == 4
+  assert mesh.devices.size == 4
+
+
+def _cli(*args):
+  env = {**os.environ, 'PYTHONPATH': REPO}
+  return subprocess.run([sys.executable, '-m', 'gnmr_jax.aot', *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_cli_report_json_and_exit_codes(tmp_path):
+  out = tmp_path / 'report.json'
+  ok = _cli('--config=configs/tiny.py:runlocal', '--target=v5e-4', '--steps=eval',
+            '--config.precision.mode=static', f'--json={out}')
+  assert ok.returncode == 0, ok.stderr[-2000:]
+  assert 'eval step: fits' in ok.stdout and 'convolution s8 x s8 -> s32' in ok.stdout
+  report = json.loads(out.read_text())
+  assert report['target'] == 'v5e-4' and report['versions']['jax'] == jax.__version__
+  assert report['mesh'] == {'data': 1, 'fsdp': 4, 'tensor': 1}
+  assert 'all-gather' in report['steps']['eval']['collectives']   # FSDP gathers the weights
+  # A batch the device cannot hold: reported, exit 3, and --fit_batch finds one that fits.
+  big = _cli('--config=configs/tiny.py:runlocal', '--target=t4', '--steps=eval',
+             '--config.precision.mode=static', '--config.data.seq_len=4096',
+             '--config.model.max_seq_len=4096', '--config.data.batch_size=64', '--fit_batch')
+  assert big.returncode == 3, big.stderr[-2000:]
+  assert 'DOES NOT FIT' in big.stdout and 'largest batch that fits: ' in big.stdout
+
+
+@pytest.mark.parametrize('args,expect', [
+    (('--target=h900',), "unknown target 'h900'"),
+    (('--target=v5e-3',), 'v5e slices come in sizes'),
+    (('--target=v5e-4', '--config.mesh.fsdp=3'), "config.mesh does not fit the target's 4"),
+])
+def test_cli_bad_input_names_what_is_wrong(args, expect):
+  bad = _cli('--config=configs/tiny.py:runlocal', *args)
+  assert bad.returncode == 2 and expect in bad.stderr, bad.stderr[-2000:]

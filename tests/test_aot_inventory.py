@@ -1,0 +1,156 @@
+"""gnmr_jax.aot without the compilers: target names, the HLO inventory on hand-written programs
+(the AOT tier, tests/aot, checks it on compiled ones), and the messages of a missing install."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gnmr_jax.aot import compile as compile_lib
+from gnmr_jax.aot import inventory, targets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A scanned loop of 4 trips holding a routed projection (fp8 / bf16 branches), a bf16 GEMM
+# outside it, and an all-gather; its loop condition carries no known_trip_count (as on TPU).
+HLO = '''HloModule jit_step, is_scheduled=true
+
+%low (p0: (f8e4m3fn[8,16], f8e4m3fn[16,32])) -> f32[8,32] {
+  %p0 = (f8e4m3fn[8,16]{1,0}, f8e4m3fn[16,32]{1,0}) parameter(0)
+  %a = f8e4m3fn[8,16]{1,0} get-tuple-element(%p0), index=0
+  %b = f8e4m3fn[16,32]{1,0} get-tuple-element(%p0), index=1
+  %g = (f32[8,32]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul$f8", metadata={op_name="jit(step)/layers/mlp/up/cond/branch_0_fun/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  ROOT %r = f32[8,32]{1,0} get-tuple-element(%g), index=0
+}
+
+%rec (p1: (f8e4m3fn[8,16], f8e4m3fn[16,32])) -> f32[8,32] {
+  %p1 = (bf16[8,16]{1,0}, bf16[16,32]{1,0}) parameter(0)
+  %c = bf16[8,16]{1,0} get-tuple-element(%p1), index=0
+  %d = bf16[16,32]{1,0} get-tuple-element(%p1), index=1
+  %h = (f32[8,32]{1,0}, s8[1024]{0}) custom-call(%c, %d), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/layers/mlp/up/cond/branch_1_fun/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  ROOT %s = f32[8,32]{1,0} get-tuple-element(%h), index=0
+}
+
+%body (w0: (s32[], pred[])) -> (s32[], pred[]) {
+  %w0 = (s32[], pred[]) parameter(0)
+  %i = s32[] get-tuple-element(%w0), index=0
+  %bit = pred[] get-tuple-element(%w0), index=1
+  %ops = (f8e4m3fn[8,16]{1,0}, f8e4m3fn[16,32]{1,0}) constant({...})
+  %cond.1 = f32[8,32]{1,0} conditional(%bit, %ops, %ops), true_computation=%rec, false_computation=%low
+  ROOT %t = (s32[], pred[]) tuple(%i, %bit)
+}
+
+%loop_cond (w1: (s32[], pred[])) -> pred[] {
+  %w1 = (s32[], pred[]) parameter(0)
+  %j = s32[] get-tuple-element(%w1), index=0
+  %four = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %four), direction=LT
+}
+
+ENTRY %main (x: bf16[64,128], y: bf16[128,256], z: f32[2,512]) -> f32[64,256] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %y = bf16[128,256]{1,0} parameter(1)
+  %z = f32[2,512]{1,0} parameter(2)
+  %init = (s32[], pred[]) constant({...})
+  %while.1 = (s32[], pred[]) while(%init), condition=%loop_cond, body=%body
+  %ag = f32[8,512]{1,0} all-gather(%z), dimensions={0}
+  %head = (f32[64,256]{1,0}, s8[1024]{0}) custom-call(%x, %y), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/bsd,dv->bsv/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  ROOT %out = f32[64,256]{1,0} get-tuple-element(%head), index=0
+}
+'''
+
+
+def test_inventory_of_a_routed_loop():
+  inv = inventory.parse(HLO)
+  assert inv.entry == 'main'
+  assert inv.loops == {'while.1': 4}                      # counted from `i < 4`
+  assert inv.conditionals == {'cond.1': ['low', 'rec']}   # indexed by the predicate
+  assert inv.gemm_counts() == {'cublaslt_fp8 f8e4m3fn x f8e4m3fn -> f32': 1,
+                               'cublaslt bf16 x bf16 -> f32': 2}
+  low, rec = inv.branch_gemms('cond.1')
+  assert [(g.kind, g.projection, g.executions) for g in low] == [('cublaslt_fp8', 'up', 4)]
+  assert [(g.lhs, g.projection) for g in rec] == [('bf16', 'up')]
+  up = 2 * 8 * 32 * 16 * 4           # 2 * M * N * K, 4 trips
+  head = 2 * 64 * 256 * 128
+  assert inv.flops_by_kind(branch=0) == {'cublaslt_fp8 f8e4m3fn x f8e4m3fn -> f32': up,
+                                         'cublaslt bf16 x bf16 -> f32': head}
+  assert inv.flops_by_kind(branch=1) == {'cublaslt bf16 x bf16 -> f32': up + head}
+  assert inv.flops_by_kind(branch=None, projection=False) == {
+      'cublaslt bf16 x bf16 -> f32': head}
+  assert inv.collective_summary() == {'all-gather': {'count': 1, 'bytes': 8 * 512 * 4}}
+
+
+def test_inventory_refuses_text_that_is_not_hlo():
+  with pytest.raises(ValueError, match='no ENTRY computation'):
+    inventory.parse('not a module')
+
+
+def test_convolution_flops_follow_dim_labels():
+  text = '''HloModule m
+ENTRY %e (a: s8[8,2,128], b: s8[2,128,512]) -> s32[8,512,1] {
+  %a = s8[8,2,128]{2,1,0} parameter(0)
+  %b = s8[2,128,512]{2,1,0} parameter(1)
+  ROOT %c = s32[8,512,1]{1,0,2} convolution(%a, %b), window={size=2}, dim_labels=b0f_0io->bf0
+}'''
+  (gemm,) = inventory.parse(text).gemms
+  assert (gemm.kind, gemm.lhs, gemm.result) == ('convolution', 's8', 's32')
+  assert gemm.flops == 2 * 8 * 512 * (2 * 128)   # the window and input features are summed
+
+
+@pytest.mark.parametrize('name,platform,devices,hosts', [
+    ('h100', 'gpu', 1, 1), ('t4', 'gpu', 1, 1), ('h100:8', 'gpu', 8, 1),
+    ('b200:4x8', 'gpu', 32, 4), ('v5e-1', 'tpu', 1, 1), ('v6e-8', 'tpu', 8, 2),
+    ('v5p-64', 'tpu', 32, 8), ('v5e-256x2', 'tpu', 512, 128)])
+def test_targets(name, platform, devices, hosts):
+  target = targets.get_target(name)
+  assert (target.platform, target.num_devices, target.num_hosts) == (platform, devices, hosts)
+  assert target.device_memory_bytes > 10e9
+
+
+def test_gpu_target_configs_carry_the_runtime_version_the_fp8_rewrite_needs():
+  for kind in targets.GPU_TARGETS:
+    text = targets.gpu_config_text(kind)
+    assert 'runtime_version { major: 12 minor: 8' in text, kind
+  assert targets.get_target('h100').device_memory_bytes == 84942979072   # XLA's h100_sxm spec
+
+
+@pytest.mark.parametrize('name,expect', [
+    ('h900', 'not a GPU or TPU name'), ('v5e-3', 'v5e slices come in sizes'),
+    ('h100:9', 'a GPU host holds 1 to 8 GPUs'), ('', 'non-empty')])
+def test_unknown_targets_name_the_accepted_forms(name, expect):
+  with pytest.raises(ValueError, match=expect) as error:
+    targets.get_target(name)
+  assert 'v5p-64' in str(error.value) and 'h100' in str(error.value)
+
+
+def test_a_compile_refused_for_memory_is_reported_as_not_fitting():
+  class Lowered:
+    def compile(self, compiler_options):
+      del compiler_options
+      raise RuntimeError('RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used '
+                         '20.5G of 15.75G hbm.')
+
+  class Jitted:
+    def trace(self, *args):
+      del args
+      return self
+
+    def lower(self):
+      return Lowered()
+
+  import jax  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((1, 1, 1), ('data', 'fsdp', 'tensor'))
+  with pytest.raises(compile_lib.DoesNotFit, match='Ran out of memory'):
+    compile_lib.compile_step(Jitted(), (), mesh, 'tpu')
+
+
+def test_missing_install_names_the_command():
+  """In the CPU environment (no libtpu, no CUDA plugin) the tool says how to install them."""
+  if compile_lib._find_spec('libtpu') is not None:  # pylint: disable=protected-access
+    pytest.skip('libtpu is installed in this environment (the AOT tier runs here)')
+  out = subprocess.run([sys.executable, '-m', 'gnmr_jax.aot', '--config=configs/tiny.py',
+                        '--target=v5e-4'], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, check=False)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert 'needs libtpu' in out.stderr and 'make aot-venv' in out.stderr
