@@ -5,9 +5,11 @@ first through JUPYTER_PATH), so nothing depends on kernels installed on the mach
 gets GNMR_NOTEBOOK_SMALL=1, one CPU device and a temp TFDS dir; the last cell of each notebook
 prints a JSON summary that the tests check.
 """
+import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
 
 import nbformat
@@ -126,3 +128,40 @@ def test_committed_notebook_is_valid_and_has_no_outputs(name):
   source = "\n".join(c.source for c in code_cells)
   # Small-config switch for CI, and the install cell that CI skips.
   assert "GNMR_NOTEBOOK_SMALL" in source and "REPO_URL" in source
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_install_cell_installs_a_wheel_or_the_git_url(name, tmp_path, monkeypatch):
+  """The install cell run as if gnmr_jax were not installed, with pip and git recorded."""
+  nb = nbformat.read(os.path.join(REPO, "notebooks", name), as_version=4)
+  cell = next(c.source for c in nb.cells if c.cell_type == "code" and "REPO_URL" in c.source)
+  assert "WHEEL = ''" in cell and "REPO_URL = ''" in cell
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(sys, "path", list(sys.path))
+  commands = []
+  monkeypatch.setattr(subprocess, "run", lambda command, check: commands.append(command))
+  real_find_spec = importlib.util.find_spec
+
+  def run(wheel="", repo_url="", installed=False):
+    commands.clear()
+    looks = iter([installed])  # the first look: installed or not; later ones: the real spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n: real_find_spec(n) if next(looks, True) else None)
+    exec(cell.replace("WHEEL = ''", f"WHEEL = {wheel!r}").replace(  # pylint: disable=exec-used
+        "REPO_URL = ''", f"REPO_URL = {repo_url!r}"), {})
+    return commands
+
+  pip = [sys.executable, "-m", "pip", "install", "-q"]
+  wheel = tmp_path / "dist" / "gnmr_jax-0.2.0-py3-none-any.whl"
+  assert run(wheel="dist/gnmr_jax-0.2.0-py3-none-any.whl") == [
+      pip + [f"gnmr_jax[data,logging] @ {wheel.as_uri()}"]]
+  assert run(wheel="https://example.org/gnmr_jax-0.2.0-py3-none-any.whl") == [
+      pip + ["gnmr_jax[data,logging] @ https://example.org/gnmr_jax-0.2.0-py3-none-any.whl"]]
+  clone = str(tmp_path / "gnmr_jax_repo")
+  assert run(repo_url="https://example.org/gnmr_jax") == [
+      ["git", "clone", "--depth", "1", "https://example.org/gnmr_jax", clone],
+      pip + ["-e", f"{clone}[data,logging]"]]
+  assert sys.path[0] == clone
+  assert run(wheel="w.whl", installed=True) == []  # gnmr_jax imports: nothing to do
+  with pytest.raises(RuntimeError, match="set WHEEL"):
+    run()
