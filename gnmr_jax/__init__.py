@@ -33,4 +33,4 @@ from gnmr_jax.control import transient_alarm as transient_alarm
 __all__ = ["gnmr", "transient_alarm", "norm_level", "fixed_set", "last_blocks", "late_switch",
            "GNMRState", "GNMRTelemetry", "PriorityState", "recovery_mask", "controller_state",
            "control"]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
