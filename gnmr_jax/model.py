@@ -400,8 +400,13 @@ class Transformer(nn.Module):
       side = _constrain_side(self.policy.init_side(
           tokens.shape, unit_kernel_shapes(cfg), dtype))
     if remat != 'none':
-      # prevent_cse is unnecessary under scan and blocks optimisations.
-      block = nn.remat(block, policy=_REMAT_POLICIES[remat], prevent_cse=False)
+      # Under a rolled (or partly unrolled) scan the loop keeps the forward and the backward's
+      # recomputation apart and prevent_cse would only block optimisations. Fully unrolled, the
+      # loop disappears and XLA merges the recomputation into the forward, keeping what remat
+      # meant to drop: a routed 1B step compiled for an H100 needed 3.2x the static step's
+      # temporaries (50.8 vs 15.8 GB) without it, 0.6x with it (BENCHMARKS.md).
+      unrolled = not cfg.scan_layers or cfg.scan_unroll >= cfg.num_layers
+      block = nn.remat(block, policy=_REMAT_POLICIES[remat], prevent_cse=unrolled)
     blocks = nn.scan(
         block,
         variable_axes={'params': LAYER_AXIS},

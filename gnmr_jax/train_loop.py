@@ -99,10 +99,11 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
     data = data.for_config(config.data)
   model_config = ml_collections.ConfigDict(config.model.to_dict())
   model_config.vocab_size = -(-int(data.vocab_size) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-  if policy.routed:
-    model_config.scan_unroll = policy.scan_unroll(model_config.num_layers)
   if mesh is None:
     mesh = sharding.make_mesh(config.mesh, devices)
+  if policy.routed:
+    model_config.scan_unroll = policy.scan_unroll(model_config.num_layers,
+                                                  mesh.devices.flat[0].platform)
   sharding.check_model_fits_mesh(model_config, mesh, config.data.batch_size)
   model = Transformer(model_config, policy)
   tx = (make_tx or make_optimizer)(config)

@@ -45,7 +45,8 @@ def _stack_inputs(seed=0, dtype=jnp.bfloat16):
     ('recovery_saved_activation_bits', 12, '8, 16)'),
     ('block_bits', 9, '(2, 3, 4, 5, 6, 7, 8)'),
     ('block_size', 0, 'positive int'),
-    ('routed_scan_unroll', -1, 'int >= 0'),
+    ('routed_scan_unroll', -2, 'int >= -1'),
+    ('routed_scan_unroll', True, 'int >= -1'),
 ])
 def test_make_policy_rejects_invalid_fields_naming_them(field, value, allowed):
   config = precision.default_precision_config()
@@ -80,7 +81,11 @@ def test_dot_shapes_dtypes_and_scan_unroll(mode):
   y = policy.dot(x, w, jnp.array(True))
   assert y.shape == (2, 5, 8) and y.dtype == jnp.bfloat16
   assert policy.routed == (mode == 'gnmr')
-  assert policy.scan_unroll(12) == (12 if mode == 'gnmr' else 1)
+  # Per backend by default: fully unrolled on CPU and GPU, rolled on TPU; static never unrolls.
+  assert [policy.scan_unroll(12, p) for p in ('cpu', 'gpu', 'cuda', 'tpu')] == (
+      [12, 12, 12, 1] if mode == 'gnmr' else [1, 1, 1, 1])
+  assert _policy(mode=mode, routed_scan_unroll=4).scan_unroll(12, 'tpu') == (
+      4 if mode == 'gnmr' else 1)
   with pytest.raises(ValueError, match='kernel'):
     policy.dot(x, w.T)
 

@@ -60,10 +60,13 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # Tile length (activations, 1 x block_size) and block side (weights,
   # block_size x block_size) of the blockwise path.
   config.block_size = 128
-  # How many layers a scanned model unrolls per loop iteration when routed
-  # (0 = all of them). Conditionals inside a scanned loop cost +14..18% step time
-  # on an H200; unrolled they cost +0.3%. Read it through policy.scan_unroll(L).
-  config.routed_scan_unroll = 0
+  # How many layers a scanned model unrolls per loop iteration when routed: 0 = all of them
+  # (no loop), k = groups of k, -1 = per backend (policy.ROUTED_SCAN_UNROLL_BY_PLATFORM): GPU
+  # and CPU unroll fully (conditionals inside a scanned loop cost +14..18% step time on an
+  # H200, unrolled +0.3%), TPU keeps the loop rolled (a fully unrolled 1B step compiled to
+  # 28x the static program's bytes and 4x its compile time for v5e; TPU conditionals run on
+  # the chip). Read it through policy.scan_unroll(L, platform).
+  config.routed_scan_unroll = -1
   # Where routed units keep the recovery path's residuals. 'side_buffer': each
   # unit keeps only the low-cost residuals and recovered units append theirs to
   # one buffer for side_buffer_units units (bytes = static low-cost + that
@@ -107,6 +110,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if not isinstance(config.side_buffer_units, int) or config.side_buffer_units < 0:
     raise ValueError("precision config field 'side_buffer_units' must be an int >= 0 "
                      f'(0 = the controller\'s max_o), got {config.side_buffer_units!r}.')
-  if not isinstance(config.routed_scan_unroll, int) or config.routed_scan_unroll < 0:
-    raise ValueError("precision config field 'routed_scan_unroll' must be an int >= 0 "
-                     f'(0 = fully unrolled), got {config.routed_scan_unroll!r}.')
+  if (isinstance(config.routed_scan_unroll, bool) or not isinstance(config.routed_scan_unroll, int)
+      or config.routed_scan_unroll < -1):
+    raise ValueError("precision config field 'routed_scan_unroll' must be an int >= -1 "
+                     f'(0 = fully unrolled, -1 = per backend), got {config.routed_scan_unroll!r}.')

@@ -31,7 +31,8 @@ class PrecisionPolicy:
     recovery: the recovery ``Path`` (used only when ``routed``).
     low_cost_path: registered name of the low-cost path.
     recovery_path: registered name of the recovery path.
-    routed_scan_unroll: layers per unrolled scan iteration when routed, 0 = all.
+    routed_scan_unroll: layers per unrolled scan iteration when routed, 0 = all, -1 = per
+      backend (ROUTED_SCAN_UNROLL_BY_PLATFORM).
     recovery_storage: where routed units keep the recovery path's residuals:
       'side_buffer' (one buffer for ``side_buffer_units`` recovered units,
       threaded with ``dot_side``) or 'per_unit' (every unit has slots for both
@@ -46,7 +47,7 @@ class PrecisionPolicy:
   recovery: path_lib.Path
   low_cost_path: str
   recovery_path: str
-  routed_scan_unroll: int = 0
+  routed_scan_unroll: int = -1
   recovery_storage: str = 'per_unit'
   side_buffer_units: int | None = None
 
@@ -239,23 +240,44 @@ class PrecisionPolicy:
   def _routed_dot(self):
     return routing.routed_dot(self.recovery, self.low_cost)
 
-  def scan_unroll(self, num_layers: int) -> int:
-    """The ``unroll=`` a model should give its layer scan: 1 if static, else
-    ``routed_scan_unroll`` (0 meaning ``num_layers``, fully unrolled).
+  def scan_unroll(self, num_layers: int, platform: str = 'cpu') -> int:
+    """The ``unroll=`` a model should give its layer scan on ``platform``.
+
+    1 if static; else ``routed_scan_unroll`` (0 meaning ``num_layers``, fully unrolled; -1
+    the backend's choice in ``ROUTED_SCAN_UNROLL_BY_PLATFORM``).
+
+    Args:
+      num_layers: the model's depth.
+      platform: the devices' platform (``'cpu'``, ``'gpu'``, ``'tpu'``; ``'cuda'`` and
+        ``'rocm'`` count as ``'gpu'``), e.g. ``mesh.devices.flat[0].platform``.
 
     Example:
       >>> from gnmr_jax.precision import make_policy, default_precision_config
       >>> config = default_precision_config()
-      >>> make_policy(config).scan_unroll(12)   # routed, routed_scan_unroll=0
-      12
+      >>> policy = make_policy(config)          # routed, routed_scan_unroll=-1
+      >>> policy.scan_unroll(12, 'gpu'), policy.scan_unroll(12, 'tpu')
+      (12, 1)
       >>> config.mode = 'static'
-      >>> make_policy(config).scan_unroll(12)
+      >>> make_policy(config).scan_unroll(12, 'gpu')
       1
     """
     if not self.routed:
       return 1
-    return num_layers if self.routed_scan_unroll == 0 else min(
-        self.routed_scan_unroll, num_layers)
+    unroll = self.routed_scan_unroll
+    if unroll == -1:
+      platform = {'cuda': 'gpu', 'rocm': 'gpu'}.get(platform, platform)
+      unroll = ROUTED_SCAN_UNROLL_BY_PLATFORM.get(platform, 0)
+    return num_layers if unroll == 0 else min(unroll, num_layers)
+
+
+# routed_scan_unroll=-1, per platform (0 = fully unrolled). GPU: conditionals in a scanned loop
+# cost +14..18% step time on an H200, unrolled +0.3% (../shared/reference/gpu-anchors.md);
+# unrolled with remat, the model stops XLA merging the recomputation into the forward
+# (model.py), so the step's temporaries stay at the static step's. TPU: the loop stays rolled:
+# unrolled, a 1B step's program was 28x the static one's on v5e (BENCHMARKS.md "Routed step at
+# scale"), and a TPU conditional is decided on the chip, without the host. CPU: unrolled, as
+# every test and experiment here ran.
+ROUTED_SCAN_UNROLL_BY_PLATFORM = {'gpu': 0, 'tpu': 1, 'cpu': 0}
 
 
 def make_policy(config: ml_collections.ConfigDict,

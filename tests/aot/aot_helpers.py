@@ -24,10 +24,15 @@ def load_config(name: str, arg=None):
   return module.get_config(arg)
 
 
-def tier_config(mode: str = 'static', path: str = 'int8', **model):
-  """configs/tiny.py:runlocal (2 layers, d_model 64, batch 4 x 32): seconds to compile."""
+def tier_config(mode: str = 'static', path: str = 'int8', batch=None, **model):
+  """configs/tiny.py:runlocal (2 layers, d_model 64, batch 4 x 32): seconds to compile.
+
+  `batch` = (batch_size, seq_len) replaces the data shape; `model` fields replace the model's.
+  """
   config = load_config('tiny', 'runlocal')
   config.precision.mode, config.precision.low_cost_path = mode, path
+  if batch is not None:
+    config.data.batch_size, config.data.seq_len = batch
   for field, value in model.items():
     config.model[field] = value
   return config
@@ -35,9 +40,9 @@ def tier_config(mode: str = 'static', path: str = 'int8', **model):
 
 @functools.lru_cache(maxsize=None)
 def compiled(target: str, mode: str = 'static', path: str = 'int8', step: str = 'train',
-             **model):
-  """(report, inventory) of the tier config's `step` compiled for `target`."""
-  config = tier_config(mode, path, **dict(model))
+             batch=None, **model):
+  """(config, report, inventory) of the tier config's `step` compiled for `target`."""
+  config = tier_config(mode, path, batch, **dict(model))
   report = compile_lib.compile_config(config, target, steps=(step,), keep_hlo=True)
   inventory = inventory_lib.parse(report['steps'][step].pop('hlo'))
   return config, report, inventory
