@@ -12,7 +12,7 @@ AOT_VENV := .venv-aot
 AOT_STAMP := $(AOT_VENV)/.installed
 TARGET ?= h100
 
-.PHONY: train test venv bench clean aot aot-venv
+.PHONY: train test venv bench clean aot aot-venv docs
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,6 +45,12 @@ test: $(STAMP) $(AOT_STAMP)
 	    --ignore=tests/aot tests
 	GNMR_AOT_REQUIRED=1 $(AOT_VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=10 \
 	    tests/aot
+
+# The documentation site (docs/conf.py): guides, notebooks as committed, API reference from the
+# docstrings; warnings are errors, as in tests/test_docs_build.py.
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -q -W --keep-going -c docs -b html . docs/_build/html
+	@echo "docs/_build/html/index.html"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/controller_overhead.py

@@ -222,7 +222,8 @@ def e2e_table(arms, old_arms=None):
   return "\n".join(rows)
 
 
-# Paired comparisons that decide the refresh question of issue 18 and the README's table.
+# Paired comparisons that decide the refresh question of issue 18 and the tables of
+# docs/guides/experiments.md.
 PAIRS = (("gapuni_every50_from0", "gaprec_every50_from0"), ("gap_every50_from0",
          "gaprec_every50_from0"), ("gaprec_every50_from0", "norm"), ("gapuni_every50_from0",
          "norm"), ("hindsight", "norm"), ("norm", "random"), ("noise_every50_from0", "norm"),

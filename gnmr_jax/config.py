@@ -76,7 +76,7 @@ def gnmr_config() -> ml_collections.ConfigDict:
   # default until 2026-12-02, recovered 13% of `make train`'s unit-steps for no measured gain).
   # Where the low-cost error is persistent it recovers next to nothing: there 'norm' (closed 0.61
   # of the 4-bit per-tensor gap) or a static set ('fixed', 'last_blocks') is the choice
-  # (README "Choosing which units to recover"; RESULTS.md). For the other priorities
+  # (docs/guides/choosing_a_recipe.md; RESULTS.md). For the other priorities
   # alpha/beta/delta only feed telemetry ('hybrid', 'noise': their alarm).
   c.priority = "gnmr"
   # 'gap'/'relgap' only: weight of the old estimate when a new measurement arrives, in [0, 1).

@@ -269,8 +269,8 @@ def detection_report(faults: Sequence[Fault], mask_next: np.ndarray, warmup: int
 
   Returns:
     {'faults': [per (fault, unit) dicts with step, unit, kind, factor, detected,
-      latency (steps from the faulty step to the first step run on the recovery path, or None),
-      already_in_mask], 'injected', 'detected', 'false_recoveries', 'unit_steps'}.
+    latency (steps from the faulty step to the first step run on the recovery path, or None),
+    already_in_mask], 'injected', 'detected', 'false_recoveries', 'unit_steps'}.
     A false recovery is a unit entering the mask (False -> True) after warmup at a step that no
     injected fault on that unit explains (its fault window s .. s + duration - 1 + window).
   """

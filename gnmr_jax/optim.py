@@ -19,9 +19,9 @@ SCHEDULES = ("cosine", "wsd")
 def learning_rate_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
   """Linear warmup to the peak, then (``opt.schedule``):
 
-  'cosine'  cosine decay to min_lr_ratio * peak at total_steps (the default);
-  'wsd'     warmup-stable-decay: the peak until the last ``opt.decay_fraction`` of the steps
-            (rounded, at least one), then linear decay to min_lr_ratio * peak at total_steps.
+  - ``'cosine'``: cosine decay to min_lr_ratio * peak at total_steps (the default);
+  - ``'wsd'``: warmup-stable-decay: the peak until the last ``opt.decay_fraction`` of the steps
+    (rounded, at least one), then linear decay to min_lr_ratio * peak at total_steps.
   """
   kind = opt.get("schedule", "cosine")  # configs written before the field: cosine
   peak, end = opt.learning_rate, opt.learning_rate * opt.min_lr_ratio

@@ -277,6 +277,7 @@ SECONDS = {
     "test_multiprocess.py": 100, "test_doctests.py": 85, "test_benchmark_scripts.py": 80,
     "test_nnx_routing.py": 80, "test_precision_explicit_sharding.py": 65,
     "test_controller_api.py": 65, "test_model.py": 60, "test_precision_routing.py": 55,
+    "test_doc_examples.py": 35, "test_docs_build.py": 20,
     "test_ecosystem_jax.py": 50, "test_reliability_config.py": 45, "test_ecosystem_optax.py": 45,
     "test_precision_paths.py": 40, "test_precision_packing.py": 35, "test_ecosystem_flax.py": 35,
     "test_reliability_checkpoints.py": 30, "test_selection.py": 30, "test_experiments.py": 25,

@@ -1,4 +1,4 @@
-"""gnmr inside the optax wrappers users combine optimizers with (README "Works with").
+"""gnmr inside the optax wrappers users combine optimizers with (docs/guides/works_with.md).
 
 Each test runs the jitted path and checks masks against the plain transform or
 the NumPy reference (tests/gnmr_reference.py), not just that nothing raises.
@@ -105,7 +105,7 @@ def test_masked_branches_give_false_scalars_the_policy_accepts(wrapper):
   ctl = gnmr_jax.controller_state(state)
   assert ctl.lock["w"].dtype == jnp.int32 and int(ctl.lock["w"]) == 0 and int(ctl.lock["v"]) == 1
   assert ctl.gnmr["w"].dtype == jnp.float32 and float(ctl.gnmr["v"]) == 50.0
-  # The README recipe: hand every unit's bit to the routed policy.
+  # The recipe of docs/guides/controller.md: hand every unit's bit to the routed policy.
   policy = precision.make_policy(precision.default_precision_config())
   x = jnp.ones((2, 3))
   out = policy.dot(x, jnp.ones((3, 4)), mask["w"])

@@ -234,26 +234,6 @@ def test_uniform_pass_measures_every_unit_against_all_low_and_all_recovered():
     recovery_gap.measure(routed_loss, params, x, measuring_pass="both")
 
 
-def _layer_stacked_readme_block():
-  readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-  with open(readme, encoding="utf-8") as f:
-    blocks = f.read().split("```python\n")[1:]
-  found = [b.split("```")[0] for b in blocks if "recovery_gap.measure(" in b]
-  assert len(found) == 1, "README: one python block calls recovery_gap.measure"
-  return found[0]
-
-
-def test_readme_gap_snippet_runs_as_written_on_a_layer_stacked_model():
-  import doctest  # pylint: disable=g-import-not-at-top
-  block = _layer_stacked_readme_block()
-  assert "layer_axis=layer_axis" in block and ">>>" in block
-  test = doctest.DocTestParser().get_doctest(block, {}, "README gap snippet", "README.md", 0)
-  runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
-  out = []
-  runner.run(test, out=out.append)
-  assert runner.failures == 0 and runner.tries >= 15, "".join(out)
-
-
 def test_a_gap_measured_with_another_unit_layout_is_a_clear_error():
   params = {"layers": {"w": jnp.ones((3, 4, 4))}, "head": jnp.ones((4, 2))}
   grads = jax.tree.map(lambda p: 0.5 * p, params)

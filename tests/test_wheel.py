@@ -1,7 +1,7 @@
 """The package as users get it: `python -m build` gives an sdist and a wheel (built from the sdist)
 whose metadata passes `twine check --strict`; the wheel, installed into a fresh environment, runs
-the README's controller examples there, importing gnmr_jax from that environment, not from this
-source tree.
+every python block of the README there (tests/doc_blocks.py), importing gnmr_jax from that
+environment, not from this source tree.
 
 The build runs without isolation (no network): with this environment's setuptools, which the
 lock pins. The fresh environment gets the wheel alone (`pip install --no-deps --no-index`); its
@@ -22,34 +22,27 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VERSION = re.search(r'^version = "([^"]+)"$', (REPO / "pyproject.toml").read_text(), re.M)[1]
 
-# Run in the fresh environment: the README's controller example (with params and gradients of
-# a model whose leaf paths its regexes select) and its doctest blocks.
+# Run in the fresh environment: every python block of the README (tests/doc_blocks.py, stdlib
+# only), then a look at what the controller example left.
 RUNNER = r"""
-import doctest, importlib.metadata, json, sys
-import jax.numpy as jnp
+import importlib.metadata, json, sys
+sys.path.insert(0, sys.argv[1])
+import doc_blocks
 import gnmr_jax
 
-blocks = json.load(open(sys.argv[1]))
-params = {"layers": {"attn": {"q": {"kernel": jnp.ones((2, 4, 4))}},
-                     "mlp": {"up": {"kernel": jnp.ones((2, 4, 4))}}},
-          "head": {"kernel": jnp.ones((4, 3))}}
-namespace = {"params": params, "grads": params}
-exec(blocks["controller"], namespace)
-mask, ctl = namespace["mask"], namespace["ctl"]
-doctests = []
-for i, block in enumerate(blocks["doctests"]):
-  test = doctest.DocTestParser().get_doctest(block, {}, f"README block {i}", "README.md", 0)
-  runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
-  report = []
-  runner.run(test, out=report.append)
-  doctests.append({"tries": runner.tries, "failures": runner.failures,
-                   "report": "".join(report)[-2000:]})
-print("WHEEL_RESULT " + json.dumps({
-    "file": gnmr_jax.__file__, "version": gnmr_jax.__version__,
-    "dist_version": importlib.metadata.version("gnmr_jax"),
-    "q_mask": [bool(b) for b in mask["layers"]["attn"]["q"]["kernel"]],
-    "head_mask": bool(mask["head"]["kernel"]), "count": int(ctl.count),
-    "num_units": int(ctl.telemetry.num_units), "doctests": doctests}))
+blocks = doc_blocks.code_blocks("README.md")
+results, namespaces = doc_blocks.run_python_blocks(blocks)
+info = {"file": gnmr_jax.__file__, "version": gnmr_jax.__version__,
+        "dist_version": importlib.metadata.version("gnmr_jax"), "blocks": results}
+controller = [ns for b, ns in zip(blocks, namespaces) if ns is not None and "tx.init(params)"
+              in b["source"] and "gnmr_jax.recovery_mask(opt_state)" in b["source"]]
+info["controller_blocks"] = len(controller)
+if len(controller) == 1 and "ctl" in controller[0]:
+  mask, ctl = controller[0]["mask"], controller[0]["ctl"]
+  info.update(q_mask=[bool(b) for b in mask["layers"]["attn"]["q"]["kernel"]],
+              head_mask=bool(mask["head"]["kernel"]), count=int(ctl.count),
+              num_units=int(ctl.telemetry.num_units))
+print("WHEEL_RESULT " + json.dumps(info))
 """
 
 
@@ -57,18 +50,6 @@ def _run(command, **kwargs):
   out = subprocess.run(command, capture_output=True, text=True, timeout=300, **kwargs)
   assert out.returncode == 0, f"{command}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
   return out.stdout
-
-
-def _readme_blocks():
-  """The README's python blocks: the controller example (plain code that chains a controller
-  and reads the mask) and every doctest block."""
-  blocks = [b.split("```")[0] for b in (REPO / "README.md").read_text().split("```python\n")[1:]]
-  controller = [b for b in blocks if ">>>" not in b and "tx.init(params)" in b
-                and "gnmr_jax.recovery_mask(opt_state)" in b]
-  assert len(controller) == 1, "README: one plain python block chains a controller and reads the mask"
-  doctests = [b for b in blocks if ">>>" in b]
-  assert doctests, "README: no doctest block"
-  return {"controller": controller[0], "doctests": doctests}
 
 
 @pytest.fixture(scope="module")
@@ -101,20 +82,21 @@ def test_the_wheel_runs_the_readme_examples_in_a_fresh_environment(dists, tmp_pa
   (purelib / "dependencies.pth").write_text("".join(f"{d}\n" for d in site.getsitepackages()))
   _run([sys.executable, "-m", "pip", "--python", python, "--disable-pip-version-check", "install",
         "--quiet", "--no-deps", "--no-index", str(wheel)])
-  blocks = tmp_path / "blocks.json"
-  blocks.write_text(json.dumps(_readme_blocks()))
   env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="")
   run_dir = tmp_path / "run"  # not the checkout: '' on sys.path must not find gnmr_jax
   run_dir.mkdir()
-  stdout = _run([python, "-c", RUNNER, str(blocks)], env=env, cwd=str(run_dir))
+  stdout = _run([python, "-c", RUNNER, str(REPO / "tests")], env=env, cwd=str(run_dir))
   result = json.loads(next(l for l in stdout.splitlines()
                            if l.startswith("WHEEL_RESULT "))[len("WHEEL_RESULT "):])
   # gnmr_jax came from the installed wheel, at the version of pyproject.toml.
   assert pathlib.Path(result["file"]).is_relative_to(purelib), result["file"]
   assert result["version"] == result["dist_version"] == VERSION
-  # The controller example ran: one update of the paper's controller, within its warmup.
+  assert result["blocks"], "README: no python block"
+  for block in result["blocks"]:
+    assert block["ok"], f"README.md:{block['line']}\n{block['report']}"
+  # The controller example (one plain block chains a controller and reads the mask) ran: one
+  # update of the transient alarm, within its warmup.
+  assert result["controller_blocks"] == 1, "README: one python block chains a controller"
   assert result["count"] == 1 and result["num_units"] == 4  # q and up, 2 layers each
   assert result["q_mask"] == [False, False] and result["head_mask"] is False
-  for block in result["doctests"]:
-    assert block["tries"] > 0 and block["failures"] == 0, block["report"]

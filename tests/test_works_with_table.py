@@ -1,4 +1,5 @@
-"""README "Works with": every row names a test that exists (so each claim is checked)."""
+"""The "Works with" guide (docs/guides/works_with.md): every row names a test that exists (so each
+claim is checked)."""
 import ast
 import pathlib
 import re
@@ -8,20 +9,21 @@ COLUMNS = ["wrapper", "status", "note", "test"]
 TEST_REF = re.compile(r"^`(tests/[\w/]+\.py)::(\w+)(?:::(\w+))?`$")
 
 
+GUIDE = "docs/guides/works_with.md"
+
+
 def works_with_rows():
-  """(line number, cells) of every table row in the README's "## Works with" section."""
-  lines = (ROOT / "README.md").read_text().splitlines()
-  start = lines.index("## Works with")
-  end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+  """(line number, cells) of every table row of the "Works with" guide."""
+  lines = (ROOT / GUIDE).read_text().splitlines()
   rows, header = [], None
-  for number, line in enumerate(lines[start:end], start + 1):
+  for number, line in enumerate(lines, 1):
     if not line.startswith("|"):
       header = None
       continue
     cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
     if header is None:
       header = cells
-      assert header == COLUMNS, f"README line {number}: columns {header}, want {COLUMNS}"
+      assert header == COLUMNS, f"{GUIDE} line {number}: columns {header}, want {COLUMNS}"
     elif not all(set(c) <= set("-: ") for c in cells):
       rows.append((number, cells))
   return rows
@@ -40,9 +42,9 @@ def defined_tests(path):
   return names
 
 
-def test_works_with_section_is_in_the_contents():
-  readme = (ROOT / "README.md").read_text()
-  assert "[Works with](#works-with)" in readme
+def test_the_readme_and_the_guides_link_the_works_with_guide():
+  assert "(docs/guides/works_with.md)" in (ROOT / "README.md").read_text()
+  assert "(works_with.md)" in (ROOT / "docs" / "guides" / "controller.md").read_text()
 
 
 def test_every_row_names_an_existing_test():
@@ -50,12 +52,12 @@ def test_every_row_names_an_existing_test():
   assert len(rows) >= 20, "the table lost rows"
   for number, cells in rows:
     wrapper, status, _, test = cells
-    assert wrapper and status, f"README line {number}: empty wrapper or status"
-    assert status.startswith(("works", "fixed")), f"README line {number}: status {status!r}"
+    assert wrapper and status, f"{GUIDE} line {number}: empty wrapper or status"
+    assert status.startswith(("works", "fixed")), f"{GUIDE} line {number}: status {status!r}"
     match = TEST_REF.match(test)
-    assert match, f"README line {number}: test cell {test!r} is not `tests/file.py::test_name`"
+    assert match, f"{GUIDE} line {number}: test cell {test!r} is not `tests/file.py::test_name`"
     path = ROOT / match.group(1)
-    assert path.is_file(), f"README line {number}: no file {match.group(1)}"
+    assert path.is_file(), f"{GUIDE} line {number}: no file {match.group(1)}"
     name = match.group(2) if match.group(3) is None else f"{match.group(2)}::{match.group(3)}"
-    assert name.split("::")[-1].startswith("test"), f"README line {number}: {name} is no test"
-    assert name in defined_tests(path), f"README line {number}: {match.group(1)} has no {name}"
+    assert name.split("::")[-1].startswith("test"), f"{GUIDE} line {number}: {name} is no test"
+    assert name in defined_tests(path), f"{GUIDE} line {number}: {match.group(1)} has no {name}"

@@ -195,7 +195,7 @@ class UnitLayout:
     return names
 
   def flat(self, tree, trailing: int = 0):
-    """The unit leaves of a per-unit tree as one [N, *trailing] array (replicated); None
+    """The unit leaves of a per-unit tree as one ``[N, *trailing]`` array (replicated); None
     without units. ``trailing`` counts the axes after the unit axes (the GNMR window's).
     A :class:`UnitValues` is already flat: its array is returned (replicated), after a
     check that its rows follow this layout."""
@@ -218,7 +218,7 @@ class UnitLayout:
     return jnp.concatenate(parts, axis=0)
 
   def unflat(self, vec, dtype, trailing_shape=()):
-    """Inverse of :meth:`flat`: [N, *trailing_shape] back to a per-unit tree of ``dtype``;
+    """Inverse of :meth:`flat`: ``[N, *trailing_shape]`` back to a per-unit tree of ``dtype``;
     leaves that are not units get a scalar zero."""
     leaves, offset = [], 0
     for info in self.leaves:
@@ -258,7 +258,7 @@ class UnitLayout:
 
 @jax.tree_util.register_pytree_with_keys_class
 class UnitValues:
-  """Per-unit values held as one array of shape [N, *trailing] (N units in flat order) that
+  """Per-unit values held as one array of shape ``[N, *trailing]`` (N units in flat order) that
   reads like the params-shaped per-unit tree: the controller states' per-unit fields.
 
   Held flat, a controller state has one array per field whatever the number of parameter
@@ -268,7 +268,7 @@ class UnitValues:
   ``vmap``, donation, orbax and ``jax.tree.map`` see one array (key path ``.values``).
 
   Attributes:
-    values: the [N, *trailing] array (any pytree leaf while it is a spec or a stand-in).
+    values: the ``[N, *trailing]`` array (any pytree leaf while it is a spec or a stand-in).
     layout: the :class:`UnitLayout` the rows follow.
 
   Example:
