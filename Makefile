@@ -43,7 +43,7 @@ train: $(STAMP)
 test: $(STAMP) $(AOT_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
 	    --ignore=tests/aot tests
-	GNMR_AOT_REQUIRED=1 $(AOT_VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=10 \
+	GNMR_AOT_REQUIRED=1 $(AOT_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 \
 	    tests/aot
 
 # The documentation site (docs/conf.py): guides, notebooks as committed, API reference from the

@@ -142,7 +142,7 @@ def test_a_compile_refused_for_memory_is_reported_as_not_fitting():
   import jax  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((1, 1, 1), ('data', 'fsdp', 'tensor'))
   with pytest.raises(compile_lib.DoesNotFit, match='Ran out of memory'):
-    compile_lib.compile_step(Jitted(), (), mesh, 'tpu')
+    compile_lib.compile_step(Jitted(), (), mesh, targets.get_target('v5e-1'))
 
 
 def test_missing_install_names_the_command():
@@ -154,3 +154,24 @@ def test_missing_install_names_the_command():
                        timeout=300, check=False)
   assert out.returncode == 2, out.stderr[-2000:]
   assert 'needs libtpu' in out.stderr and 'make aot-venv' in out.stderr
+
+
+def test_program_cache_round_trip_and_keys(tmp_path):
+  from gnmr_jax.aot import program_cache  # pylint: disable=g-import-not-at-top
+  program = program_cache.Program('HloModule m', {'temp': 5, 'peak_bytes': 9}, 1.5)
+  key = program_cache.key('module @jit_f', 'h100', {'a': 0}, {'jax': '0.10.2'})
+  assert program_cache.load(str(tmp_path), key) is None
+  program_cache.store(str(tmp_path), key, program)
+  got = program_cache.load(str(tmp_path), key)
+  assert (got.hlo_text, got.memory, got.compile_s, got.cached) == (
+      'HloModule m', {'temp': 5, 'peak_bytes': 9}, 1.5, True)
+  # Any part of the key changes it: the program, the target, the options, the versions.
+  others = [program_cache.key('module @jit_g', 'h100', {'a': 0}, {'jax': '0.10.2'}),
+            program_cache.key('module @jit_f', 'v5e-1', {'a': 0}, {'jax': '0.10.2'}),
+            program_cache.key('module @jit_f', 'h100', {'a': 1}, {'jax': '0.10.2'}),
+            program_cache.key('module @jit_f', 'h100', {'a': 0}, {'jax': '0.11.0'})]
+  assert len({key, *others}) == 5
+  # A half-written entry (a killed writer) reads as absent.
+  (tmp_path / (others[0] + '.json.gz')).write_bytes(b'\x1f\x8b\x08 truncated')
+  assert program_cache.load(str(tmp_path), others[0]) is None
+  assert program_cache.load(None, key) is None

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from gnmr_jax.aot import inventory as inventory_lib
+from gnmr_jax.aot import program_cache
 from gnmr_jax.aot import targets as targets_lib
 
 INSTALL_HINT = ("make aot-venv (builds .venv-aot beside .venv; run the tool with "
@@ -169,8 +170,12 @@ def summarize(hlo_text: str) -> dict:
   }
 
 
-def compile_step(jitted, args, mesh, platform: str):
-  """(compiled, lower seconds, compile seconds) of `jitted` on abstract `args` under `mesh`.
+def compile_step(jitted, args, mesh, target: targets_lib.Target,
+                 cache_dir: str | None = None):
+  """(program, lower seconds) of `jitted` on abstract `args` under `mesh`, for `target`.
+
+  Args:
+    cache_dir: where compiled programs' reports are kept (program_cache.py); None: no cache.
 
   Raises:
     DoesNotFit: XLA reports the program does not fit the device's memory.
@@ -179,14 +184,22 @@ def compile_step(jitted, args, mesh, platform: str):
   start = time.perf_counter()
   with sharding.activation_sharding(mesh):
     lowered = jitted.trace(*args).lower()
-  lowered_at = time.perf_counter()
-  options = GPU_COMPILER_OPTIONS if platform == 'gpu' else {}
+  lower_s = time.perf_counter() - start
+  options = GPU_COMPILER_OPTIONS if target.platform == 'gpu' else {}
+  entry_key = None
+  if cache_dir:
+    described = f'{target.name}\n{target.gpu_config or target.topology_name}'
+    entry_key = program_cache.key(lowered.as_text(), described, options, versions())
+    program = program_cache.load(cache_dir, entry_key)
+    if program is not None:
+      return program, lower_s
   # A compile-only executable cannot be read back from jax's persistent cache (jax 0.10.2:
   # "PjRtCompiler must be constructed with a Client to call DeserializeLoadedExecutable"), so
   # writing one would only cost time and disk: no compile is slow enough to be written. (jax
   # decides once per process whether the cache is on; this threshold it reads per write.)
   min_seconds = jax.config.jax_persistent_cache_min_compile_time_secs
   jax.config.update('jax_persistent_cache_min_compile_time_secs', float('inf'))
+  compile_start = time.perf_counter()
   try:
     compiled = lowered.compile(compiler_options=options)
   except Exception as e:  # pylint: disable=broad-except  (XlaRuntimeError and friends)
@@ -195,18 +208,26 @@ def compile_step(jitted, args, mesh, platform: str):
     raise
   finally:
     jax.config.update('jax_persistent_cache_min_compile_time_secs', min_seconds)
-  return compiled, lowered_at - start, time.perf_counter() - lowered_at
+  program = program_cache.Program(compiled.as_text(), memory_of(compiled),
+                                  round(time.perf_counter() - compile_start, 2))
+  if entry_key is not None:
+    program_cache.store(cache_dir, entry_key, program)
+  return program, lower_s
 
 
 def compile_config(config: ml_collections.ConfigDict, target: str | targets_lib.Target,
-                   steps: Sequence[str] = STEPS, keep_hlo: bool = False) -> dict:
+                   steps: Sequence[str] = STEPS, keep_hlo: bool = False,
+                   cache_dir: str | None = None) -> dict:
   """Compiles `config`'s steps for `target` and reports what the device would run.
 
   Args:
-    config: a training config (configs/*.py), with config.mesh for the target's devices.
+    config: a training config (``configs/*.py``), with config.mesh for the target's devices.
     target: a target name (targets.get_target) or Target.
     steps: which of 'train', 'eval'.
     keep_hlo: also return each step's optimized HLO text under 'hlo' (not JSON-sized).
+    cache_dir: keep and reuse compiled programs' reports there (program_cache.py); default
+      $GNMR_AOT_CACHE_DIR, unset: no cache. A step read from it says 'cached': True and the
+      compile seconds XLA took when it compiled it.
 
   Returns:
     {'target', 'platform', 'num_devices', 'num_hosts', 'device_memory_bytes', 'config',
@@ -223,6 +244,7 @@ def compile_config(config: ml_collections.ConfigDict, target: str | targets_lib.
   if unknown or not steps:
     raise ValueError(f'steps must be a non-empty subset of {STEPS}, got {list(steps)}')
   prepare_environment()
+  cache_dir = cache_dir if cache_dir is not None else os.environ.get('GNMR_AOT_CACHE_DIR')
   devices = topology_devices(target)
   run, state, batch = build_abstract(config, devices)
   report = {
@@ -240,19 +262,19 @@ def compile_config(config: ml_collections.ConfigDict, target: str | targets_lib.
   jitted = {'train': run.train_step, 'eval': run.eval_step}
   for step in steps:
     try:
-      compiled, lower_s, compile_s = compile_step(jitted[step], (state, batch), run.mesh,
-                                                  target.platform)
+      program, lower_s = compile_step(jitted[step], (state, batch), run.mesh, target,
+                                      cache_dir)
     except DoesNotFit as e:
       report['steps'][step] = {'fits': False, 'error': str(e)}
       continue
-    memory = memory_of(compiled)
-    hlo = compiled.as_text()
-    entry = {'lower_s': round(lower_s, 2), 'compile_s': round(compile_s, 2), 'memory': memory,
+    memory = program.memory
+    entry = {'lower_s': round(lower_s, 2), 'compile_s': program.compile_s, 'memory': memory,
              'fits': memory['peak_bytes'] <= target.device_memory_bytes,
-             'margin_bytes': target.device_memory_bytes - memory['peak_bytes']}
-    entry.update(summarize(hlo))
+             'margin_bytes': target.device_memory_bytes - memory['peak_bytes'],
+             'cached': program.cached}
+    entry.update(summarize(program.hlo_text))
     if keep_hlo:
-      entry['hlo'] = hlo
+      entry['hlo'] = program.hlo_text
     report['steps'][step] = entry
   return report
 

@@ -6,9 +6,48 @@ GNMR_AOT_REQUIRED=1, where a missing compiler fails instead of skipping.
 
 import os
 
+import jax
 import pytest
 
 from gnmr_jax.aot import compile as compile_lib
+
+# Compile-only executables cannot be read back from jax's persistent cache (compile.py): no
+# cache here, so an entry an older jax wrote never turns into a warning and a second compile.
+jax.config.update('jax_enable_compilation_cache', False)
+
+# The compiled programs' reports are cached instead (gnmr_jax/aot/program_cache.py), where
+# tests/conftest.py keeps jax's cache (GNMR_TEST_COMPILATION_CACHE: 'machine', 'clone', '0'):
+# a warm run traces and lowers every step but compiles only what changed.
+AOT_CACHE_BYTES = 1 << 30
+_MODE = {'1': 'machine'}.get(os.environ.get('GNMR_TEST_COMPILATION_CACHE', 'machine'),
+                             os.environ.get('GNMR_TEST_COMPILATION_CACHE', 'machine'))
+if _MODE != '0' and 'GNMR_AOT_CACHE_DIR' not in os.environ:
+  _ROOT = (os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+      os.path.abspath(__file__)))), '.pytest_cache') if _MODE == 'clone' else
+           os.environ.get('GNMR_JAX_CACHE_DIR') or os.path.join(os.path.expanduser('~'),
+                                                                 '.cache', 'gnmr_jax'))
+  os.environ['GNMR_AOT_CACHE_DIR'] = os.path.join(_ROOT, 'aot_programs')
+
+
+def _prune(path, limit):
+  """Oldest entries go past `limit` bytes (each code change adds entries)."""
+  try:
+    entries = [(e.stat().st_mtime, e.stat().st_size, e.path) for e in os.scandir(path)]
+  except OSError:
+    return
+  total = sum(size for _, size, _ in entries)
+  for _, size, name in sorted(entries):
+    if total <= limit:
+      break
+    try:
+      os.remove(name)
+      total -= size
+    except OSError:
+      pass
+
+
+if os.environ.get('GNMR_AOT_CACHE_DIR'):
+  _prune(os.environ['GNMR_AOT_CACHE_DIR'], AOT_CACHE_BYTES)
 
 
 def _missing() -> str | None:
