@@ -106,7 +106,7 @@ def model_bytes(policy, batch, seq, model_name, dtype):
   cfg = model_config(model_name)
   cfg.dtype = dtype
   cfg.max_seq_len = max(cfg.max_seq_len, seq)
-  cfg.scan_unroll = policy.scan_unroll(cfg.num_layers)
+  cfg.scan_unroll = policy.scan_unroll(cfg.num_layers, jax.devices()[0].platform)
   model = Transformer(cfg, policy)
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   params = init_params(model, seq, abstract=True)

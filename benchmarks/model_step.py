@@ -67,7 +67,8 @@ def init_params(model, seq, abstract=False):
 
 def make_step(model_cfg, policy, unroll=None):
   cfg = ml_collections.ConfigDict(model_cfg.to_dict())
-  cfg.scan_unroll = policy.scan_unroll(cfg.num_layers) if unroll is None else unroll
+  cfg.scan_unroll = (policy.scan_unroll(cfg.num_layers, jax.devices()[0].platform)
+                     if unroll is None else unroll)
   model = Transformer(cfg, policy)
 
   def loss(params, tokens, mask):

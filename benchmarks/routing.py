@@ -77,7 +77,7 @@ def main():
   worst_unrolled = float('nan') if args.compile_only else 0.0
   for path in args.paths.split(','):
     routed = _policy('gnmr', path, max_o)
-    full = routed.scan_unroll(layers)
+    full = routed.scan_unroll(layers, jax.devices()[0].platform)
     steps = {('bf16', 1): bf16_step}
     for unroll in (1, full):
       steps[('static', unroll)] = _step(_policy('static', path), unroll)

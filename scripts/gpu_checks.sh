@@ -29,16 +29,22 @@ step() {  # step NAME SECONDS CMD...
 # The goal: static fp8 >= 1.8x and int8 >= 1.45x the bf16 step's tokens/s on the
 # 1B config; routed within 3% of the faster static step (rolled or unrolled).
 if [ "${SMALL:-0}" = 1 ]; then
-  MODEL=(--model tiny --batch 4 --seq 64) SIZE=cpu CONFIGS=tiny REMAT=(--models tiny --seq 256)
+  MODEL=(--model tiny --batch 4 --seq 64) SIZE=cpu CONFIGS=tiny
+  REMAT_STEP=(--model tiny --batch 4 --seq 64)
 else
-  MODEL=(--model 1b --batch 32 --seq 256) SIZE=gpu CONFIGS=60m,130m REMAT=(--models 1b --batch 4 --seq 256)
+  MODEL=(--model 1b --batch 32 --seq 256) SIZE=gpu CONFIGS=60m,130m
+  REMAT_STEP=(--model 1b --batch 16 --seq 256)
 fi
 # The goal (model.remat='none': the step's own matmul cost).
 step model_step 290 python3 benchmarks/model_step.py "${MODEL[@]}" --paths fp8,int8 \
   --rounds 3 --iters 3
-# Compile only: XLA temp memory of static rolled / unrolled / routed under the config's remat
-# ('full' at 1b); on XLA:CPU the unrolled programs keep what remat should recompute.
-step compile_cost 100 python3 benchmarks/compile_cost.py "${REMAT[@]}"
+# The routed step under remat 'full' (the 1B config's): unrolled on GPU with CSE prevention
+# (model.py), which keeps its temporaries at the static step's (compiled deviceless: 9.6 vs
+# 15.8 GB, BENCHMARKS.md "Routed step at scale"); this times it against static fp8, nothing
+# recovered and max_o recovered, so the +0.3% of the unrolled design can be checked with remat.
+# (The temporaries themselves: python -m gnmr_jax.aot compiles them here without a device.)
+step model_step_remat 100 python3 benchmarks/model_step.py "${REMAT_STEP[@]}" --paths fp8 \
+  --remat full --rounds 2 --iters 2
 # The MLP-stack probe size of ../shared/reference/gpu-anchors.md, int8 and fp8.
 step routing 130 python3 benchmarks/routing.py --size "$SIZE" --paths fp8,int8 --rounds 3 \
   --iters 3
