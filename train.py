@@ -17,6 +17,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from gnmr_jax import distributed, train_loop
+from gnmr_jax.flag_parsing import flags_parser
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.",
                                           lock_config=True)
@@ -24,17 +25,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, logs and plots go 
 flags.mark_flags_as_required(["config", "workdir"])
 
 USER_ERRORS = (ValueError, TypeError, KeyError, AttributeError, FileNotFoundError)
-
-
-def _parse_flags(argv):
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    print(f"train.py: {e}", file=sys.stderr)
-    sys.exit(2)
-  except USER_ERRORS as e:  # config_flags reports unknown --config.* keys this way
-    print(f"train.py: bad --config override: {e}".replace("\\n", " "), file=sys.stderr)
-    sys.exit(2)
 
 
 def main(argv):
@@ -54,4 +44,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=flags_parser("train.py", USER_ERRORS))

@@ -36,7 +36,13 @@ SCRIPTS = [
      ["benchmarks/init_compile.py"]),
     ("Step-time cost of each arm of the NVFP4 experiment, wsd8long (issue 23)",
      ["benchmarks/arm_step_cost.py", "--rounds", "3", "--warm", "25"]),
+    # Deviceless compiles (.venv-aot, make aot-venv): cells are JSONs under
+    # benchmarks/results/aot/, compiled once and reused, so a long matrix resumes.
+    ("Compiled for (issue 36)", ["benchmarks/aot_compiled.py", "--matrix", "compiled_for"]),
+    ("Routed step at scale: routed / static (issue 37)",
+     ["benchmarks/aot_compiled.py", "--matrix", "routed_cost"]),
 ]
+AOT_PYTHON = os.path.join(ROOT, ".venv-aot", "bin", "python")  # scripts named aot_* run there
 
 
 def versions() -> str:
@@ -61,7 +67,8 @@ def _sections(text: str) -> dict:
 
 def run_section(title, cmd) -> list:
   print(f"running {' '.join(cmd)} ...", file=sys.stderr, flush=True)
-  out = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True,
+  python = AOT_PYTHON if os.path.basename(cmd[0]).startswith("aot_") else sys.executable
+  out = subprocess.run([python, *cmd], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": ROOT}, check=False)
   body = out.stdout.strip() if out.returncode == 0 else (
       f"FAILED (exit {out.returncode}):\n{out.stderr.strip()[-3000:]}")

@@ -21,6 +21,7 @@ from ml_collections import config_flags
 from gnmr_jax.aot import compile as compile_lib
 from gnmr_jax.aot import report as report_lib
 from gnmr_jax.aot import targets as targets_lib
+from gnmr_jax.flag_parsing import flags_parser
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Path to a configs/*.py file.',
                                           lock_config=True)
@@ -36,17 +37,6 @@ flags.mark_flags_as_required(['config', 'target'])
 USER_ERRORS = (ValueError, TypeError, KeyError, AttributeError, FileNotFoundError,
                compile_lib.AotSetupError)
 EXIT_DOES_NOT_FIT = 3
-
-
-def _parse_flags(argv):
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    print(f'gnmr_jax.aot: {e}', file=sys.stderr)
-    sys.exit(2)
-  except USER_ERRORS as e:  # config_flags reports unknown --config.* keys this way
-    print(f'gnmr_jax.aot: bad --config override: {e}'.replace('\\n', ' '), file=sys.stderr)
-    sys.exit(2)
 
 
 def compile_fitting(config, target: str, steps, fit_batch: bool) -> dict:
@@ -88,4 +78,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=flags_parser('gnmr_jax.aot', USER_ERRORS))
