@@ -103,9 +103,10 @@ def compile_cell(c) -> dict:
   return report
 
 
-def run(matrix, only='', redo=False) -> list:
+def run(matrix, only='', redo=False, compile_missing=True) -> tuple[list, list]:
+  """(reports of the matrix's cells, names of the cells with no JSON that were not compiled)."""
   os.makedirs(RESULTS, exist_ok=True)
-  reports = []
+  reports, missing = [], []
   for c in MATRICES[matrix]:
     name = cell_name(c)
     if only and only not in name:
@@ -115,13 +116,16 @@ def run(matrix, only='', redo=False) -> list:
       with open(path) as f:
         reports.append(json.load(f))
       continue
+    if not compile_missing:
+      missing.append(name)
+      continue
     print(f'compiling {name} ...', file=sys.stderr, flush=True)
     report = compile_cell(c)
     with open(path + '.tmp', 'w') as f:
       json.dump(report, f, indent=1, sort_keys=True)
     os.replace(path + '.tmp', path)  # a killed run leaves no half-written cell
     reports.append(report)
-  return reports
+  return reports, missing
 
 
 def _gemms(step) -> str:
@@ -203,18 +207,24 @@ def main():
   parser.add_argument('--matrix', choices=sorted(MATRICES), default='compiled_for')
   parser.add_argument('--only', default='', help='cells whose name contains this text')
   parser.add_argument('--redo', action='store_true', help='recompile cells that have a JSON')
+  parser.add_argument('--no_compile', action='store_true',
+                      help='tables from the JSONs there are; list the cells still to compile')
   args = parser.parse_args()
-  reports = run(args.matrix, args.only, args.redo)
+  reports, missing = run(args.matrix, args.only, args.redo, not args.no_compile)
   table = (compiled_for_table if args.matrix == 'compiled_for' else routed_cost_table)(reports)
   stamps = sorted({(r['compiled_on']['date'], r['compiled_on']['cpus'],
                     r['compiled_on']['machine'],
                     ', '.join(f'{k} {v}' for k, v in sorted(r['versions'].items())))
                    for r in reports})
-  print(f'# deviceless compiles on a CPU host (compile seconds on that host); train step, '
-        f'per device; {len(reports)} cells from benchmarks/results/aot/*.json')
+  print(f'# deviceless compiles on a CPU host; train step, per device; {len(reports)} cells '
+        'from benchmarks/results/aot/*.json. Compile seconds: wall clock on that host, which '
+        'other work shared (ratios are leads, not measurements side by side)')
   for date, cpus, machine, versions in stamps:
     print(f'# compiled {date} on {cpus} {machine} cores: {versions}')
   print('\n'.join(table))
+  if missing:
+    print(f'# {len(missing)} cells not compiled yet (the command without --no_compile resumes '
+          f'them): {", ".join(missing)}')
 
 
 if __name__ == '__main__':

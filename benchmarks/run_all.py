@@ -38,9 +38,11 @@ SCRIPTS = [
      ["benchmarks/arm_step_cost.py", "--rounds", "3", "--warm", "25"]),
     # Deviceless compiles (.venv-aot, make aot-venv): cells are JSONs under
     # benchmarks/results/aot/, compiled once and reused, so a long matrix resumes.
-    ("Compiled for (issue 36)", ["benchmarks/aot_compiled.py", "--matrix", "compiled_for"]),
+    # --no_compile: the tables of the cells compiled so far; run the script itself to resume.
+    ("Compiled for (issue 36)",
+     ["benchmarks/aot_compiled.py", "--matrix", "compiled_for", "--no_compile"]),
     ("Routed step at scale: routed / static (issue 37)",
-     ["benchmarks/aot_compiled.py", "--matrix", "routed_cost"]),
+     ["benchmarks/aot_compiled.py", "--matrix", "routed_cost", "--no_compile"]),
 ]
 AOT_PYTHON = os.path.join(ROOT, ".venv-aot", "bin", "python")  # scripts named aot_* run there
 
