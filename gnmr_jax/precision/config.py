@@ -63,9 +63,9 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # How many layers a scanned model unrolls per loop iteration when routed: 0 = all of them
   # (no loop), k = groups of k, -1 = per backend (policy.ROUTED_SCAN_UNROLL_BY_PLATFORM): GPU
   # and CPU unroll fully (conditionals inside a scanned loop cost +14..18% step time on an
-  # H200, unrolled +0.3%), TPU keeps the loop rolled (a fully unrolled 1B step compiled to
-  # 28x the static program's bytes and 4x its compile time for v5e; TPU conditionals run on
-  # the chip). Read it through policy.scan_unroll(L, platform).
+  # H200, unrolled +0.3%), TPU keeps the loop rolled (for v5e at 1B it compiles in the static
+  # step's time, unrolled in 2.15x; TPU conditionals run on the chip). Read it through
+  # policy.scan_unroll(L, platform).
   config.routed_scan_unroll = -1
   # Where routed units keep the recovery path's residuals. 'side_buffer': each
   # unit keeps only the low-cost residuals and recovered units append theirs to
