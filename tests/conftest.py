@@ -35,6 +35,8 @@ if _CACHE_MODE != "0":
         os.path.expanduser("~"), ".cache", "gnmr_jax")
   _OUR_CACHE_DIR = os.path.join(_cache_root, "jax_compilation_cache")
   os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _OUR_CACHE_DIR)
+  # The AOT tier (tests/aot) keeps its compiled programs' reports beside it.
+  os.environ.setdefault("GNMR_AOT_CACHE_DIR", os.path.join(_cache_root, "aot_programs"))
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import math
 import os
 
 from gnmr_jax.aot import compile as compile_lib
@@ -71,4 +70,3 @@ def kinds(gemms) -> set:
 FP8_KINDS = {'cublaslt_fp8 f8e4m3fn x f8e4m3fn -> f32', 'cublaslt_fp8 f8e5m2 x f8e4m3fn -> f32',
              'cublaslt_fp8 f8e4m3fn x f8e5m2 -> f32', 'cublaslt_fp8 f8e4m3fn x f8e4m3fn -> bf16',
              'cublaslt_fp8 f8e5m2 x f8e4m3fn -> bf16', 'cublaslt_fp8 f8e4m3fn x f8e5m2 -> bf16'}
-del math

@@ -16,17 +16,10 @@ from gnmr_jax.aot import compile as compile_lib
 jax.config.update('jax_enable_compilation_cache', False)
 
 # The compiled programs' reports are cached instead (gnmr_jax/aot/program_cache.py), where
-# tests/conftest.py keeps jax's cache (GNMR_TEST_COMPILATION_CACHE: 'machine', 'clone', '0'):
-# a warm run traces and lowers every step but compiles only what changed.
+# tests/conftest.py puts them ($GNMR_AOT_CACHE_DIR beside jax's cache; none with
+# GNMR_TEST_COMPILATION_CACHE=0): a warm run traces and lowers every step but compiles only
+# what changed.
 AOT_CACHE_BYTES = 1 << 30
-_MODE = {'1': 'machine'}.get(os.environ.get('GNMR_TEST_COMPILATION_CACHE', 'machine'),
-                             os.environ.get('GNMR_TEST_COMPILATION_CACHE', 'machine'))
-if _MODE != '0' and 'GNMR_AOT_CACHE_DIR' not in os.environ:
-  _ROOT = (os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__)))), '.pytest_cache') if _MODE == 'clone' else
-           os.environ.get('GNMR_JAX_CACHE_DIR') or os.path.join(os.path.expanduser('~'),
-                                                                 '.cache', 'gnmr_jax'))
-  os.environ['GNMR_AOT_CACHE_DIR'] = os.path.join(_ROOT, 'aot_programs')
 
 
 def _prune(path, limit):
