@@ -33,7 +33,7 @@ from gnmr_jax.data import make_data
 from gnmr_jax.metrics_log import format_summary as format_summary  # public here too
 from gnmr_jax.model import Transformer
 from gnmr_jax.optim import learning_rate_schedule, make_optimizer
-from gnmr_jax.precision import make_policy, recovery_policy
+from gnmr_jax.precision import make_policy, native_microscaling, recovery_policy
 from gnmr_jax.train_step import StepSpec as StepSpec
 from gnmr_jax.train_step import TrainState as TrainState
 from gnmr_jax.train_step import cross_entropy as cross_entropy
@@ -91,7 +91,13 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
     config.mesh = sharding.mesh_config_of(mesh)
     devices = list(mesh.devices.flat)
   validate_config(config, len(devices) if devices is not None else jax.device_count())
-  policy = make_policy(config.precision,
+  if mesh is None:
+    mesh = sharding.make_mesh(config.mesh, devices)
+  # 'auto' microscaling GEMMs resolved for the mesh's devices (compile-only ones included),
+  # and recorded: every policy built from this config below, and run.config, say which.
+  device = mesh.devices.flat[0]
+  config.precision = native_microscaling.resolved_config(config.precision, device)
+  policy = make_policy(config.precision, device=device,
                        max_recovered=config.gnmr.max_o if config.gnmr.enabled else None)
   if data is None:
     data = make_data(config.data, jax.process_index(), jax.process_count())
@@ -99,8 +105,6 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
     data = data.for_config(config.data)
   model_config = ml_collections.ConfigDict(config.model.to_dict())
   model_config.vocab_size = -(-int(data.vocab_size) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-  if mesh is None:
-    mesh = sharding.make_mesh(config.mesh, devices)
   if policy.routed:
     model_config.scan_unroll = policy.scan_unroll(model_config.num_layers,
                                                   mesh.devices.flat[0].platform)
@@ -130,7 +134,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   layout = units_lib.layout_of(abstract.params, config.gnmr.units or None,
                                config.gnmr.layer_axis or None)
   injector = faults_lib.make_injector(config, layout)
-  probe, recovery_model, swap_model = _gap_probe(config, model_config, policy)
+  probe, recovery_model, swap_model = _gap_probe(config, model_config, policy, device)
   spec = StepSpec(model=model, tx=tx, routed=policy.routed,
                   layout=layout if config.gnmr.enabled else None,
                   schedule=learning_rate_schedule(config.optimizer, config.train.steps),
@@ -165,7 +169,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
              spec=spec, task=task)
 
 
-def _gap_probe(config, model_config, policy):
+def _gap_probe(config, model_config, policy, device):
   """(GapProbe, recovery model, swap model) of config.diagnostics, or Nones when not measured.
 
   The gap is logged per controller unit: no controller, no measurement. The first measured
@@ -183,12 +187,12 @@ def _gap_probe(config, model_config, policy):
       layer_axis=config.gnmr.layer_axis or None,
       split_halves=diagnostics.get("recovery_gap_split", False))
   # The same params with every projection on the recovery path (no conds).
-  recovery_model = Transformer(model_config, recovery_policy(config.precision))
+  recovery_model = Transformer(model_config, recovery_policy(config.precision, device))
   swap_model = None
   if policy.routed and measuring_pass == "swapped":  # per-unit slots: any number recovered
     swap_precision = ml_collections.ConfigDict(config.precision.to_dict())
     swap_precision.recovery_storage = "per_unit"
-    swap_model = Transformer(model_config, make_policy(swap_precision))
+    swap_model = Transformer(model_config, make_policy(swap_precision, device=device))
   return probe, recovery_model, swap_model
 
 

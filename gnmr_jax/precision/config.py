@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from gnmr_jax.precision import microscaling, registry, saved_activation
+from gnmr_jax.precision import microscaling, native_microscaling, registry, saved_activation
 
 MODES = ('static', 'gnmr')
 RECOVERY_STORAGE = ('side_buffer', 'per_unit')
@@ -55,6 +55,12 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # 'nvfp4_backward' path (bf16 forward, NVFP4 backward) always reads it and
   # ignores nvfp4_forward_only.
   config.nvfp4_gradient_rounding = 'stochastic'
+  # How the NVFP4 / MXFP8 paths multiply their block-scaled operands: 'emulated' (the values
+  # into a bf16 x bf16 -> float32 dot, any backend), 'native' (the same codes and scales into
+  # one cuDNN block-scaled GEMM: GPUs of compute capability >= 10 only, refused elsewhere) or
+  # 'auto' (native where the devices run it natively). Same numerics up to the order of the
+  # float32 accumulation (native_microscaling.py); training records the resolved choice.
+  config.microscaling_impl = 'auto'
   # Bits of the integer grid of the blockwise (DeepSeek-V3-style) path (2..8).
   config.block_bits = 8
   # Tile length (activations, 1 x block_size) and block side (weights,
@@ -102,6 +108,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _check_choice(config, 'saved_activation_forward', (False, True))
   _check_choice(config, 'nvfp4_forward_only', (False, True))
   _check_choice(config, 'nvfp4_gradient_rounding', microscaling.ROUNDINGS)
+  _check_choice(config, 'microscaling_impl', native_microscaling.IMPLS)
   _check_choice(config, 'block_bits', tuple(range(2, 9)))
   if not isinstance(config.block_size, int) or config.block_size < 1:
     raise ValueError(f"precision config field 'block_size' must be a positive int, "

@@ -295,6 +295,20 @@ def nvfp4_quantize(x: jax.Array, axis: int, salt: int | None = None
     ([[224.0, -448.0, 1344.0, 2688.0]], True)
   """
   _check_axis(x, axis)
+  codes, block_scale, tensor_scale = nvfp4_codes(x, axis, salt)
+  return _unblocks(codes * block_scale, axis, x.shape[axis]).astype(jnp.bfloat16), tensor_scale
+
+
+def nvfp4_codes(x: jax.Array, axis: int, salt: int | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  r"""The NVFP4 codes and scales of ``x`` before they are multiplied (``nvfp4_quantize``).
+
+  Returns:
+    ``(codes, block_scale, tensor_scale)``: float32 E2M1 values :math:`c` of the blocked,
+    zero-padded ``x`` (``axis`` split into (blocks, 16)), float32 E4M3 values :math:`s_b`
+    with the block axis kept (size 1), and the float32 scalar :math:`s_t`. The native path
+    (native_microscaling.py) stores them in the formats' own dtypes.
+  """
   xb = _blocks(x.astype(jnp.float32), axis, NVFP4_BLOCK)
   block_scale, tensor_scale = _nvfp4_scales(xb, axis)
   divisor = block_scale * tensor_scale
@@ -302,8 +316,7 @@ def nvfp4_quantize(x: jax.Array, axis: int, salt: int | None = None
   encode = jnp.where(divisor == 0, jnp.float32(0), 1 / divisor)
   uniform = (None if salt is None
              else hash_uniform(block_scale_seed(block_scale, salt), xb.shape))
-  values = round_e2m1(xb * encode, uniform) * block_scale
-  return _unblocks(values, axis, x.shape[axis]).astype(jnp.bfloat16), tensor_scale
+  return round_e2m1(xb * encode, uniform), block_scale, tensor_scale
 
 
 def _e8m0_exponent(amax: jax.Array) -> jax.Array:
@@ -353,10 +366,22 @@ def mxfp8_quantize(x: jax.Array, axis: int) -> jax.Array:
     [[1.0, 0.3125, -0.01171875, 512.0]]
   """
   _check_axis(x, axis)
+  codes, _, block_scale = mxfp8_codes(x, axis)
+  return _unblocks(codes * block_scale, axis, x.shape[axis]).astype(jnp.bfloat16)
+
+
+def mxfp8_codes(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  r"""The MXFP8 codes and scales of ``x`` before they are multiplied (``mxfp8_quantize``).
+
+  Returns:
+    ``(codes, exponent, block_scale)``: float32 E4M3 values :math:`c` of the blocked,
+    zero-padded ``x`` (``axis`` split into (blocks, 32)), the int32 exponents :math:`e_b`
+    and the float32 scales :math:`2^{e_b}` (NaN for a block with a non-finite value), both
+    with the block axis kept (size 1).
+  """
   xb = _blocks(x.astype(jnp.float32), axis, MXFP8_BLOCK)
   exponent, block_scale = _mxfp8_scales(xb, axis)
-  codes = round_e4m3(xb * _pow2_from_field(127 - exponent))
-  return _unblocks(codes * block_scale, axis, x.shape[axis]).astype(jnp.bfloat16)
+  return round_e4m3(xb * _pow2_from_field(127 - exponent)), exponent, block_scale
 
 
 def nvfp4_dequantized(x: jax.Array, axis: int, salt: int | None = None) -> jax.Array:

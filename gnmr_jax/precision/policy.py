@@ -12,7 +12,7 @@ import ml_collections
 from gnmr_jax.precision import config as config_lib
 from gnmr_jax.precision import explicit_sharding
 from gnmr_jax.precision import path as path_lib
-from gnmr_jax.precision import registry, routing, side_buffer
+from gnmr_jax.precision import native_microscaling, registry, routing, side_buffer
 
 
 def _check_dot_shapes(x, kernel) -> None:
@@ -282,13 +282,16 @@ ROUTED_SCAN_UNROLL_BY_PLATFORM = {'gpu': 0, 'tpu': 1, 'cpu': 0}
 
 
 def make_policy(config: ml_collections.ConfigDict,
-                max_recovered: int | None = None) -> PrecisionPolicy:
+                max_recovered: int | None = None, device=None) -> PrecisionPolicy:
   """Maps a precision config to a policy, validating every field first.
 
   Args:
     config: see ``default_precision_config``.
     max_recovered: the controller's max_o; sizes the side buffer when
       ``config.side_buffer_units`` is 0.
+    device: the jax Device the policy's programs are compiled for (default
+      ``jax.devices()[0]``, asked only by an NVFP4 / MXFP8 path): resolves
+      ``microscaling_impl='auto'`` and refuses ``'native'`` where it cannot run.
 
   Returns:
     A ``PrecisionPolicy``; ``routed`` iff ``config.mode == 'gnmr'``.
@@ -301,6 +304,7 @@ def make_policy(config: ml_collections.ConfigDict,
     False
   """
   config_lib.validate_config(config)
+  config = native_microscaling.resolved_config(config, device)
   routed = config.mode == 'gnmr'
   low_cost = registry.get_path(config.low_cost_path)(config, 'low_cost')
   recovery = (registry.get_path(config.recovery_path)(config, 'recovery')
@@ -314,7 +318,7 @@ def make_policy(config: ml_collections.ConfigDict,
       side_buffer_units=config.side_buffer_units or max_recovered)
 
 
-def recovery_policy(config: ml_collections.ConfigDict) -> PrecisionPolicy:
+def recovery_policy(config: ml_collections.ConfigDict, device=None) -> PrecisionPolicy:
   """A static policy that runs every unit on the configured *recovery* path (no conds).
 
   The recovery-gap measurement computes g_rec with it: the same numerics as a routed policy
@@ -326,7 +330,8 @@ def recovery_policy(config: ml_collections.ConfigDict) -> PrecisionPolicy:
     >>> policy.routed, policy.low_cost_path, policy.recovery_path
     (False, 'bf16', 'bf16')
   """
-  make_policy(config)  # validates every field
+  make_policy(config, device=device)  # validates every field
+  config = native_microscaling.resolved_config(config, device)
   name = config.recovery_path
   path = registry.get_path(name)(config, 'recovery')
   return PrecisionPolicy(routed=False, low_cost=path, recovery=path,

@@ -73,3 +73,43 @@ def stack_loss(policy, params, x_TxD, recovery_mask=None, unroll=1,
   """Mean square of the stack output, float32 scalar."""
   out = stack_apply(policy, params, x_TxD, recovery_mask, unroll, activation)
   return jnp.mean(jnp.square(out.astype(jnp.float32)))
+
+
+def register_cpu_scaled_matmul() -> None:
+  """Lets ``jax.nn.scaled_matmul`` run on the CPU: dequantize, then a float32 dot.
+
+  jax lowers the block-scaled GEMM for CUDA and ROCm only. Registered for the CPU, it
+  computes the GEMM's definition (``jax.nn.scaled_matmul``'s docstring): each code times its
+  block's scale, in float32, contracted in float32 at ``Precision.HIGHEST``. Everything else
+  of a native program (the quantizers, ``jax.nn.scaled_dot_general``'s own quantize and
+  backward, the transposes) then runs as it is, so its numerics can be compared on this host
+  with the emulation's. For tests and numerics studies only; idempotent.
+
+  Raises:
+    RuntimeError: this jax has no ``scaled_matmul`` primitive where it is looked for.
+  """
+  global _CPU_SCALED_MATMUL
+  if _CPU_SCALED_MATMUL:
+    return
+  try:  # pylint: disable=g-import-not-at-top
+    from jax._src.cudnn import scaled_matmul_stablehlo as sm
+    from jax._src.interpreters import mlir
+    primitive = sm._scaled_matmul_p  # pylint: disable=protected-access
+  except (ImportError, AttributeError) as e:
+    raise RuntimeError(f'jax {jax.__version__} has no scaled_matmul primitive in '
+                       'jax._src.cudnn.scaled_matmul_stablehlo') from e
+
+  def reference(a, b, a_scales, b_scales, *, preferred_element_type):
+    def dequantized(codes, scales):  # [B, R, K] x [B, R, K / block]
+      block = codes.shape[-1] // scales.shape[-1]
+      return codes.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), block, -1)
+    out = jnp.einsum('bmk,bnk->bmn', dequantized(a, a_scales), dequantized(b, b_scales),
+                     precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return [out.astype(preferred_element_type)]
+
+  mlir.register_lowering(primitive, mlir.lower_fun(reference, multiple_results=True),
+                         platform='cpu')
+  _CPU_SCALED_MATMUL = True
+
+
+_CPU_SCALED_MATMUL = False
