@@ -108,6 +108,7 @@ class Gemm:
   branches: tuple = ()
   executions: int = 1
   flops: int = 0   # of one execution: 2 * result elements * contraction size
+  instruction: str = ''  # the HLO instruction's name
 
   @property
   def total_flops(self) -> int:
@@ -339,7 +340,7 @@ def parse(hlo_text: str) -> Inventory:
           instruction, [shape for _, shape in operands])
       gemms.append(Gemm(kind, operands[0][0], operands[1][0], result_dtype, result_shape,
                         op_name.group(1) if op_name else '', instruction.computation,
-                        branch_of[name], count, flops))
+                        branch_of[name], count, flops, name))
     base = instruction.opcode.removesuffix('-start')
     if base in COLLECTIVES and not instruction.opcode.endswith('-done'):
       size = max([nbytes(instruction.type)]
@@ -347,3 +348,191 @@ def parse(hlo_text: str) -> Inventory:
                     if o in instructions])
       collectives.append((base, size, count))
   return Inventory(instructions, computations, entry, gemms, conditionals, loops, collectives)
+
+
+# --- Kernels: what a device launches, for gnmr_jax.aot.step_time ------------------------------
+# Opcodes that launch nothing: they name, bundle or alias buffers, or are control flow (whose
+# computations are walked instead).
+_NO_KERNEL = frozenset((
+    'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'while', 'conditional',
+    'call', 'after-all', 'partition-id', 'replica-id', 'opt-barrier', 'add-dependency',
+    'copy-done', 'send-done', 'recv-done', 'async-done', 'async-update', 'iota'))
+_SLICING = frozenset(('dynamic-slice', 'slice', 'gather'))
+
+
+@dataclasses.dataclass
+class Kernel:
+  """One kernel launch site of the program (a fusion, a library call, a collective, a copy).
+
+  Attributes:
+    name, opcode, computation: the HLO instruction and where it sits.
+    executions: launches per step (loop trip counts multiplied).
+    branches: ((conditional, branch index), ...) around it, outermost first (as Gemm.branches).
+    in_loop: whether a while loop encloses it.
+    bytes_read, bytes_written: memory traffic of one launch: operands and results, where a
+      fused parameter only sliced (dynamic-slice, slice, gather) counts its slices and an
+      in-place dynamic-update-slice counts its update.
+    flops: GEMM FLOPs of one launch (0 for a kernel without a GEMM).
+    gemm: '<lhs> x <rhs> -> <result>' dtypes of its (largest) GEMM, or ''.
+    dtypes: every dtype of its operands, results and (for a fusion) fused instructions.
+    op_name: the JAX op it came from (metadata).
+  """
+  name: str
+  opcode: str
+  computation: str
+  executions: int
+  branches: tuple
+  in_loop: bool
+  bytes_read: float
+  bytes_written: float
+  flops: int = 0
+  gemm: str = ''
+  dtypes: frozenset = frozenset()
+  op_name: str = ''
+
+
+def _array_bytes(type_text: str) -> float:
+  """Bytes of every array in an HLO type (a tuple's elements summed)."""
+  return float(sum(math.prod(s) * dtype_bytes(d) for d, s in arrays(type_text)))
+
+
+def _fused_traffic(inventory: Inventory, fusion: Instruction) -> tuple[float, float]:
+  """(bytes read, bytes written) of one launch of `fusion`."""
+  callee = re.search(r'\bcalls=%([\w.\-]+)', fusion.attributes)
+  instructions = inventory.instructions
+  body = inventory.computations.get(callee.group(1), []) if callee else []
+  users = collections.defaultdict(list)
+  params, root = {}, None
+  for name in body:
+    instruction = instructions[name]
+    for operand in instruction.operands:
+      users[operand].append(instruction)
+    if instruction.opcode == 'parameter':
+      params[int(instruction.raw_operands.strip() or 0)] = instruction
+    root = instruction  # the ROOT is printed last
+
+  def reads(name, full):
+    """Bytes read of buffer `name` (full size `full`) through its users, bitcasts followed."""
+    total = 0.0
+    for user in users.get(name, ()):
+      if user.opcode == 'bitcast':
+        total += reads(user.name, full)
+      elif user.opcode in _SLICING and user.operands[0] == name:
+        total += _array_bytes(user.type)
+      elif user.opcode == 'dynamic-update-slice' and user.operands[0] == name:
+        continue  # updated in place: only the update is touched (counted as written)
+      else:
+        return full
+    return min(total, full)
+
+  read = 0.0
+  for index, operand in enumerate(fusion.operands):
+    full = _array_bytes(instructions[operand].type) if operand in instructions else 0.0
+    param = params.get(index)
+    read += reads(param.name, full) if param is not None else full
+  outputs = [root] if root is not None else []
+  if root is not None and root.opcode == 'tuple':
+    outputs = [instructions[o] for o in root.operands if o in instructions]
+  written = 0.0
+  for output in outputs:
+    if output.opcode == 'dynamic-update-slice' and len(output.operands) > 1:
+      written += _array_bytes(instructions[output.operands[1]].type)
+    else:
+      written += _array_bytes(output.type)
+  if not outputs:
+    written = _array_bytes(fusion.type)
+  return read, written
+
+
+def _all_dtypes(inventory: Inventory, instruction: Instruction) -> set:
+  types = [instruction.type] + [inventory.instructions[o].type for o in instruction.operands
+                                if o in inventory.instructions]
+  callee = re.search(r'\bcalls=%([\w.\-]+)', instruction.attributes)
+  if instruction.opcode == 'fusion' and callee:
+    types += [inventory.instructions[n].type
+              for n in inventory.computations.get(callee.group(1), [])]
+  return {d for text in types for d, _ in arrays(text)}
+
+
+def kernels(inventory: Inventory) -> list[Kernel]:
+  """Every kernel launch site of the program, walked as a device runs it.
+
+  The entry computation, each while loop's body and condition (executions times its trip
+  count), each conditional's branches (every branch listed, `branches` telling which) and
+  called computations; a fusion or a custom call is one kernel (its GEMMs' FLOPs summed in), a
+  conditional one site of its own (opcode 'conditional', no bytes: choosing the branch).
+  Instructions that launch nothing (parameters, tuples, bitcasts, control flow) are left out.
+
+  Example:
+    >>> hlo = '''HloModule m
+    ... ENTRY %main (a: bf16[64,32], b: bf16[32,16]) -> bf16[64,16] {
+    ...   %a = bf16[64,32]{1,0} parameter(0)
+    ...   %b = bf16[32,16]{1,0} parameter(1)
+    ...   ROOT %d = bf16[64,16]{1,0} custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"]}}
+    ... }'''
+    >>> [(k.opcode, k.flops, k.gemm, k.bytes_read, k.bytes_written) for k in kernels(parse(hlo))]
+    [('custom-call', 65536, 'bf16 x bf16 -> bf16', 5120.0, 2048.0)]
+  """
+  instructions = inventory.instructions
+  gemms_in = collections.defaultdict(list)  # computation -> its GEMMs
+  for gemm in inventory.gemms:
+    gemms_in[gemm.computation].append(gemm)
+
+  def fused_gemms(computation, depth=0):
+    found = list(gemms_in.get(computation, ()))
+    if depth < 8:
+      for name in inventory.computations.get(computation, ()):
+        for callee in _callees(instructions[name]):
+          found += fused_gemms(callee, depth + 1)
+    return found
+
+  out = []
+
+  def walk(computation, times, branch, in_loop, depth=0):
+    if depth > 64:
+      raise ValueError('HLO call graph deeper than 64 levels')
+    for name in inventory.computations.get(computation, ()):
+      instruction = instructions[name]
+      opcode = instruction.opcode
+      if opcode == 'while':
+        body = re.search(r'\bbody=%([\w.\-]+)', instruction.attributes).group(1)
+        cond = re.search(r'\bcondition=%([\w.\-]+)', instruction.attributes).group(1)
+        inner = times * (inventory.loops.get(name) or 1)
+        walk(body, inner, branch, True, depth + 1)
+        walk(cond, inner, branch, True, depth + 1)
+        continue
+      if opcode == 'conditional':
+        # the predicate's read and the branch launch: a kernel site of its own
+        out.append(Kernel(name, opcode, computation, times, branch, in_loop, 0.0, 0.0))
+        for index, callee in enumerate(inventory.conditionals.get(name, ())):
+          walk(callee, times, branch + ((name, index),), in_loop, depth + 1)
+        continue
+      if opcode in ('call', 'async-start'):
+        for callee in _callees(instruction):
+          walk(callee, times, branch, in_loop, depth + 1)
+        continue
+      if opcode in _NO_KERNEL or opcode.endswith('-done'):
+        continue
+      if opcode == 'fusion':
+        read, written = _fused_traffic(inventory, instruction)
+        callee = re.search(r'\bcalls=%([\w.\-]+)', instruction.attributes)
+        inner_gemms = fused_gemms(callee.group(1)) if callee else []
+      else:
+        read = sum(_array_bytes(instructions[o].type) for o in instruction.operands
+                   if o in instructions)
+        written = _array_bytes(instruction.type)
+        inner_gemms = [g for g in gemms_in.get(computation, ()) if g.instruction == name]
+        if inner_gemms and arrays(instruction.type):
+          # a library GEMM: its first result (a tuple adds the workspace, never read back)
+          dtype, shape = arrays(instruction.type)[0]
+          written = float(math.prod(shape) * dtype_bytes(dtype))
+      largest = max(inner_gemms, key=lambda g: g.flops, default=None)
+      op_name = _OP_NAME.search(instruction.attributes)
+      out.append(Kernel(
+          name, opcode, computation, times, branch, in_loop, read, written,
+          sum(g.flops for g in inner_gemms),
+          f'{largest.lhs} x {largest.rhs} -> {largest.result}' if largest else '',
+          frozenset(_all_dtypes(inventory, instruction)), op_name.group(1) if op_name else ''))
+
+  walk(inventory.entry, 1, (), False)
+  return out

@@ -1,0 +1,258 @@
+"""The step-time model (gnmr_jax.aot.step_time) on hand-written HLO with known answers.
+
+Each expected time is recomputed here from the roofline's definition with the spec's constants
+(max(flops / rate, bytes / bandwidth) + launch per kernel, times its executions), independently
+of the model's walk; the device table is checked for structure and sources.
+"""
+
+import math
+
+from absl.testing import absltest
+from absl.testing import parameterized
+
+from gnmr_jax.aot import device_specs
+from gnmr_jax.aot import inventory
+from gnmr_jax.aot import step_time
+
+H200 = device_specs.get_spec('h200')
+V6E = device_specs.get_spec('v6e-1')
+
+_GEMM = ('custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":'
+         '{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"]}}}')
+
+
+def _fp8_gemm_hlo(m, k, n):
+  return f'''HloModule m
+ENTRY %main (a: f8e4m3fn[{m},{k}], b: f8e4m3fn[{k},{n}]) -> bf16[{m},{n}] {{
+  %a = f8e4m3fn[{m},{k}]{{1,0}} parameter(0)
+  %b = f8e4m3fn[{k},{n}]{{1,0}} parameter(1)
+  ROOT %d = (bf16[{m},{n}]{{1,0}}, s8[1024]{{0}}) custom-call(%a, %b), {_GEMM}
+}}'''
+
+
+# A loop of 5 trips whose body runs a bf16 elementwise fusion over 1M elements, then a
+# conditional choosing between an f32 add fusion (false: the low-cost branch 0) and a bf16 GEMM
+# (true: branch 1).
+LOOP_COND_HLO = '''HloModule m
+%fused_mul (p0: bf16[1024,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[1024,1024]{1,0} parameter(0)
+  ROOT %m = bf16[1024,1024]{1,0} multiply(%p0, %p0)
+}
+%fused_add (q0: f32[256,256]) -> f32[256,256] {
+  %q0 = f32[256,256]{1,0} parameter(0)
+  ROOT %s = f32[256,256]{1,0} add(%q0, %q0)
+}
+%false_branch (fx: bf16[1024,1024]) -> bf16[1024,1024] {
+  %fx = bf16[1024,1024]{1,0} parameter(0)
+  %small = f32[256,256]{1,0} constant({...})
+  %fa = f32[256,256]{1,0} fusion(%small), kind=kLoop, calls=%fused_add
+  ROOT %fr = bf16[1024,1024]{1,0} copy(%fx)
+}
+%true_branch (tx: bf16[1024,1024]) -> bf16[1024,1024] {
+  %tx = bf16[1024,1024]{1,0} parameter(0)
+  ROOT %g = bf16[1024,1024]{1,0} custom-call(%tx, %tx), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"]}}}
+}
+%body (state: (s32[], bf16[1024,1024], pred[])) -> (s32[], bf16[1024,1024], pred[]) {
+  %state = (s32[], bf16[1024,1024]{1,0}, pred[]) parameter(0)
+  %i = s32[] get-tuple-element(%state), index=0
+  %x = bf16[1024,1024]{1,0} get-tuple-element(%state), index=1
+  %p = pred[] get-tuple-element(%state), index=2
+  %y = bf16[1024,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused_mul
+  %c = bf16[1024,1024]{1,0} conditional(%p, %y, %y), true_computation=%true_branch, false_computation=%false_branch
+  ROOT %t = (s32[], bf16[1024,1024]{1,0}, pred[]) tuple(%i, %c, %p)
+}
+%cond (cs: (s32[], bf16[1024,1024], pred[])) -> pred[] {
+  %cs = (s32[], bf16[1024,1024]{1,0}, pred[]) parameter(0)
+  %ci = s32[] get-tuple-element(%cs), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}
+ENTRY %main (x0: bf16[1024,1024], p0: pred[]) -> bf16[1024,1024] {
+  %x0 = bf16[1024,1024]{1,0} parameter(0)
+  %pp = pred[] parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[1024,1024]{1,0}, pred[]) tuple(%zero, %x0, %pp)
+  %w = (s32[], bf16[1024,1024]{1,0}, pred[]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %out = bf16[1024,1024]{1,0} get-tuple-element(%w), index=1
+}'''
+
+# A scan-like fusion: reads one [1,512,512] layer of a stacked [8,512,512] f32 parameter and
+# writes it in place into a stacked bf16 output (dynamic-update-slice).
+SLICED_HLO = '''HloModule m
+%fused_slice (s0: f32[8,512,512], s1: s32[], s2: bf16[8,512,512]) -> bf16[8,512,512] {
+  %s0 = f32[8,512,512]{2,1,0} parameter(0)
+  %s1 = s32[] parameter(1)
+  %s2 = bf16[8,512,512]{2,1,0} parameter(2)
+  %z = s32[] constant(0)
+  %ds = f32[1,512,512]{2,1,0} dynamic-slice(%s0, %s1, %z, %z), dynamic_slice_sizes={1,512,512}
+  %cv = bf16[1,512,512]{2,1,0} convert(%ds)
+  ROOT %dus = bf16[8,512,512]{2,1,0} dynamic-update-slice(%s2, %cv, %s1, %z, %z)
+}
+ENTRY %main (w: f32[8,512,512], i: s32[], buf: bf16[8,512,512]) -> bf16[8,512,512] {
+  %w = f32[8,512,512]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %buf = bf16[8,512,512]{2,1,0} parameter(2)
+  ROOT %f = bf16[8,512,512]{2,1,0} fusion(%w, %i, %buf), kind=kLoop, calls=%fused_slice
+}'''
+
+# TPU: an int8 MXU matmul is a convolution inside a fusion.
+TPU_HLO = '''HloModule m
+%fused_conv (c0: s8[2048,1024], c1: s8[1024,4096]) -> s32[2048,4096] {
+  %c0 = s8[2048,1024]{1,0} parameter(0)
+  %c1 = s8[1024,4096]{1,0} parameter(1)
+  ROOT %cv = s32[2048,4096]{1,0} convolution(%c0, %c1), dim_labels=bf_io->bf
+}
+ENTRY %main (a: s8[2048,1024], b: s8[1024,4096]) -> s32[2048,4096] {
+  %a = s8[2048,1024]{1,0} parameter(0)
+  %b = s8[1024,4096]{1,0} parameter(1)
+  ROOT %f = s32[2048,4096]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused_conv
+}'''
+
+
+def _price(hlo, spec, **kwargs):
+  return step_time.price(step_time.summarize(inventory.parse(hlo)), spec, **kwargs)
+
+
+class GemmTest(parameterized.TestCase):
+
+  @parameterized.named_parameters(
+      ('compute_bound', 4096, 4096, 4096),
+      ('memory_bound', 65536, 16, 8192))  # K=16: 2 FLOPs per byte or so
+  def test_gemm_is_max_of_flops_and_bytes_plus_launch(self, m, k, n):
+    flops = 2 * m * k * n
+    nbytes = m * k + k * n + 2 * m * n  # fp8 operands, bf16 result; the workspace is not read
+    expected = max(flops / H200.rate('fp8'), nbytes / H200.memory_bandwidth) + H200.launch_s
+    got = _price(_fp8_gemm_hlo(m, k, n), H200)
+    self.assertAlmostEqual(got.total_s, expected, delta=1e-12)
+    self.assertEqual(got.flops_by_class, {'fp8': flops})
+    compute_bound = flops / H200.rate('fp8') > nbytes / H200.memory_bandwidth
+    self.assertEqual(compute_bound, k == 4096)
+
+  def test_h200_rate_is_the_measured_mean(self):
+    # gpu-anchors.md: fp8 778 and 977 TFLOP/s at the two shapes
+    self.assertAlmostEqual(H200.rate('fp8'), (778e12 + 977e12) / 2)
+    self.assertEqual(H200.rate_source('fp8'), 'calibrated (measured on this chip)')
+
+  def test_tpu_convolution_is_an_mxu_gemm_without_launch_cost(self):
+    flops = 2 * 2048 * 1024 * 4096
+    nbytes = 2048 * 1024 + 1024 * 4096 + 4 * 2048 * 4096
+    expected = max(flops / V6E.rate('int8'), nbytes / V6E.memory_bandwidth)
+    got = _price(TPU_HLO, V6E)
+    self.assertAlmostEqual(got.total_s, expected, delta=1e-12)
+    self.assertEqual(got.by_category['launch'], 0.0)
+    self.assertGreater(got.by_category['gemm int8'], 0.0)
+
+
+class WalkTest(parameterized.TestCase):
+
+  def test_loop_trip_count_multiplies_and_branch_share_mixes(self):
+    launch, bw = H200.launch_s, H200.memory_bandwidth
+    mul = (2 + 2) * 1024 * 1024 / bw + launch            # bf16 in, bf16 out
+    low = (4 + 4) * 256 * 256 / bw + launch               # branch 0: f32 add fusion
+    low += (2 + 2) * 1024 * 1024 / bw + launch            # ... and its copy
+    flops = 2 * 1024 ** 3
+    gemm_bytes = 3 * 2 * 1024 * 1024
+    high = max(flops / H200.rate('bf16'), gemm_bytes / bw) + launch
+    cond = launch                                         # the conditional's own site
+    compare = 4 + 4 + 1                                   # the loop condition: s32, s32 -> pred
+    loop_cond = compare / bw + launch
+    for recovered in (0.0, 0.25, 1.0):
+      expected = 5 * (mul + cond + loop_cond + (1 - recovered) * low + recovered * high)
+      got = _price(LOOP_COND_HLO, H200, recovered=recovered)
+      self.assertAlmostEqual(got.total_s, expected, delta=1e-12, msg=f'recovered={recovered}')
+    self.assertEqual(_price(LOOP_COND_HLO, H200).flops_by_class, {})
+    self.assertEqual(_price(LOOP_COND_HLO, H200, recovered=1.0).flops_by_class,
+                     {'bf16': 5 * flops})
+
+  def test_cost_per_conditional_in_a_loop(self):
+    base = _price(LOOP_COND_HLO, H200).total_s
+    with_cost = _price(LOOP_COND_HLO, H200, cond_in_loop_s=1e-3).total_s
+    self.assertAlmostEqual(with_cost - base, 5 * 1e-3, delta=1e-12)  # 5 executions
+    # a TPU runs the branch choice on the device: no such cost
+    self.assertAlmostEqual(_price(LOOP_COND_HLO, V6E, cond_in_loop_s=1e-3).total_s,
+                           _price(LOOP_COND_HLO, V6E).total_s, delta=1e-15)
+
+  def test_sliced_and_in_place_operands_count_their_slices(self):
+    (kernel,) = inventory.kernels(inventory.parse(SLICED_HLO))
+    layer = 512 * 512
+    self.assertEqual(kernel.bytes_read, 4 * layer + 4)    # one f32 layer and the index
+    self.assertEqual(kernel.bytes_written, 2 * layer)     # one bf16 layer, in place
+    self.assertFalse(kernel.in_loop)
+
+  def test_kernel_sites_and_executions(self):
+    inv = inventory.parse(LOOP_COND_HLO)
+    sites = {k.name: k for k in inventory.kernels(inv)}
+    self.assertEqual(set(sites), {'y', 'c', 'fa', 'fr', 'g', 'lt'})
+    self.assertTrue(all(k.executions == 5 and k.in_loop for k in sites.values()))
+    self.assertEqual(sites['g'].branches, (('c', 1),))
+    self.assertEqual(sites['fa'].branches, (('c', 0),))
+    self.assertEqual(sites['g'].flops, 2 * 1024 ** 3)
+
+  def test_recovered_outside_unit_interval_is_an_error(self):
+    with self.assertRaisesRegex(ValueError, 'recovered'):
+      _price(LOOP_COND_HLO, H200, recovered=1.5)
+
+
+class ClassifyTest(parameterized.TestCase):
+
+  @parameterized.parameters(
+      ('f8e4m3fn x f8e5m2 -> f32', '', 'fp8'), ('s8 x s8 -> s32', '', 'int8'),
+      ('f32 x f32 -> f32', '', 'f32'), ('bf16 x bf16 -> f32', '', 'bf16'),
+      ('f4e2m1fn x f4e2m1fn -> bf16', 'block_scaled', 'fp4'),
+      ('f8e4m3fn x f8e4m3fn -> bf16', 'block_scaled', 'mxfp8'))
+  def test_gemm_class(self, gemm, opcode, expected):
+    self.assertEqual(step_time.gemm_class(gemm, opcode), expected)
+
+  @parameterized.parameters(
+      ({'flops': 0, 'dtypes': ['bf16', 'f8e4m3fn']}, 'quantization'),
+      ({'flops': 0, 'dtypes': ['f32'], 'op_name': 'jit(step)/optax/adam/mul'}, 'optimizer'),
+      ({'flops': 0, 'dtypes': ['f32'], 'op_name': 'jit(train_step)/cond/mul'}, 'optimizer'),
+      ({'flops': 0, 'dtypes': ['f32'], 'op_name': 'jit(train_step)/jvp()/reduce_max'}, 'other'),
+      ({'flops': 0, 'dtypes': ['f32'], 'op_name': ''}, 'other'),
+      ({'flops': 0, 'dtypes': ['bf16'], 'op_name': 'jit(step)/layers/attn/softmax'},
+       'attention'),
+      ({'flops': 10, 'gemm_class': 'bf16', 'op_name': 'x/layers/attn/q/dot_general'},
+       'gemm bf16'),
+      ({'flops': 10, 'gemm_class': 'bf16', 'op_name': 'x/layers/attn/dot_general'},
+       'attention'),
+      ({'collective': True}, 'collectives'), ({'opcode': 'conditional'}, 'conditionals'))
+  def test_category(self, fields, expected):
+    kernel = {'opcode': 'fusion', 'collective': False, 'op_name': '', 'flops': 0,
+              'gemm_class': '', 'dtypes': []}
+    kernel.update(fields)
+    self.assertEqual(step_time.category(kernel), expected)
+
+
+class DeviceSpecsTest(parameterized.TestCase):
+
+  @parameterized.parameters(*device_specs.SPECS)
+  def test_every_spec_has_every_field_and_a_source(self, name):
+    spec = device_specs.SPECS[name]
+    self.assertIn(spec.platform, ('gpu', 'tpu'))
+    for cls in ('bf16', 'f32', 'int8'):
+      self.assertGreater(spec.datasheet[cls], 1e13)
+    for cls in device_specs.GEMM_CLASSES:
+      self.assertTrue(math.isfinite(spec.rate(cls)) and spec.rate(cls) > 0)
+      self.assertLessEqual(spec.rate(cls), max(spec.datasheet.values()))
+    self.assertGreater(spec.memory_bandwidth, 5e11)
+    self.assertGreater(spec.interconnect_bandwidth, 1e11)
+    self.assertGreaterEqual(spec.launch_s, 0.0)
+    for field in ('datasheet', 'memory_bandwidth', 'interconnect_bandwidth', 'launch_s', 'f32'):
+      self.assertTrue(spec.sources.get(field), f'{name}: no source for {field}')
+    if spec.platform == 'gpu':
+      self.assertIn('fp8', spec.datasheet)
+
+  def test_only_the_h200_is_calibrated_and_b200_has_fp4(self):
+    self.assertEqual(sorted(device_specs.SPECS['h200'].calibrated), ['bf16', 'fp8', 'int8'])
+    self.assertIn('gpu-anchors.md', device_specs.SPECS['h200'].sources['calibrated'])
+    self.assertEqual([n for n, s in device_specs.SPECS.items() if s.calibrated], ['h200'])
+    self.assertIn('fp4', device_specs.SPECS['b200'].datasheet)
+    self.assertEqual(device_specs.get_spec('h100:8').name, 'h100')
+    self.assertEqual(device_specs.get_spec('v5p-64').name, 'v5p')
+    with self.assertRaisesRegex(ValueError, 'no device spec.*h200'):
+      device_specs.get_spec('a100')
+    self.assertEqual(len(device_specs.table()), 2 + len(device_specs.SPECS))
+
+
+if __name__ == '__main__':
+  absltest.main()
