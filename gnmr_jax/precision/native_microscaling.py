@@ -33,10 +33,12 @@ elsewhere.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from gnmr_jax.precision import explicit_sharding, microscaling, quantize
 
@@ -198,7 +200,28 @@ def block_scaled_matmul(lhs_codes, rhs_codes, lhs_scales, rhs_scales) -> jax.Arr
   return out[0]
 
 
-def _typed(matmul, lhs, rhs, out_dtype, out_sharding):
+def _whole_blocks_per_shard(x: jax.Array, axis: int, block: int) -> jax.Array:
+  """``x``, its contraction gathered if a shard of it would split a block.
+
+  The GEMM's partitioning splits the codes and their scales along the contraction alike
+  (and adds the partial products), which is exact only when every shard holds whole
+  blocks: true at training sizes (tokens per device, d_ff per tensor shard, multiples of
+  32), not always in tests. Without explicit axes the sharding is not visible here.
+  """
+  sharding = explicit_sharding.out_sharding(x)
+  names = None if sharding is None else (tuple(sharding.spec) + (None,) * x.ndim)[axis]
+  if names is None:
+    return x
+  shards = math.prod(sharding.mesh.shape[n] for n in (names if isinstance(names, tuple)
+                                                      else (names,)))
+  if x.shape[axis] % (shards * block) == 0:
+    return x
+  spec = list((tuple(sharding.spec) + (None,) * x.ndim)[:x.ndim])
+  spec[axis] = None
+  return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*spec)))
+
+
+def _typed(matmul, lhs, rhs, out_dtype, out_sharding, block):
   """``matmul(lhs, rhs)`` in ``out_dtype``; under explicit mesh axes typed as the plain dot's
   result (or ``out_sharding``), the quantizing and the GEMM left to the partitioner."""
   explicit = out_sharding or explicit_sharding.out_sharding(lhs)
@@ -207,6 +230,7 @@ def _typed(matmul, lhs, rhs, out_dtype, out_sharding):
   if out_sharding is None:  # the forward: what lax.dot_general would type it
     out_sharding = jax.eval_shape(
         lambda a, b: lax.dot_general(a, b, quantize.MATMUL_DIMS), lhs, rhs).sharding
+  lhs, rhs = _whole_blocks_per_shard(lhs, 1, block), _whole_blocks_per_shard(rhs, 0, block)
   return jax.sharding.auto_axes(lambda a, b: matmul(a, b).astype(out_dtype),
                                 out_sharding=out_sharding)(lhs, rhs)
 
@@ -217,7 +241,7 @@ def nvfp4_matmul(lhs, rhs, out_dtype, out_sharding=None, *, lhs_salt=None, rhs_s
     a_codes, a_scales, a_tensor = nvfp4_encode(a, 1, lhs_salt)
     b_codes, b_scales, b_tensor = nvfp4_encode(b, 0, rhs_salt)
     return block_scaled_matmul(a_codes, b_codes, a_scales, b_scales) * (a_tensor * b_tensor)
-  return _typed(matmul, lhs, rhs, out_dtype, out_sharding)
+  return _typed(matmul, lhs, rhs, out_dtype, out_sharding, microscaling.NVFP4_BLOCK)
 
 
 def mxfp8_matmul(lhs, rhs, out_dtype, out_sharding=None):
@@ -226,4 +250,4 @@ def mxfp8_matmul(lhs, rhs, out_dtype, out_sharding=None):
     a_codes, a_scales = mxfp8_encode(a, 1)
     b_codes, b_scales = mxfp8_encode(b, 0)
     return block_scaled_matmul(a_codes, b_codes, a_scales, b_scales)
-  return _typed(matmul, lhs, rhs, out_dtype, out_sharding)
+  return _typed(matmul, lhs, rhs, out_dtype, out_sharding, microscaling.MXFP8_BLOCK)

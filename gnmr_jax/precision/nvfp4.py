@@ -69,7 +69,6 @@ def _gradient_salt(salt, gradient_rounding):
   return salt if gradient_rounding == 'stochastic' else None
 
 
-@functools.lru_cache(maxsize=None)
 def nvfp4_path(forward_only: bool = False, gradient_rounding: str = 'stochastic',
                backward_only: bool = False, native: bool = False) -> path_lib.Path:
   r"""The NVFP4 ``Path``: :math:`y = Q_{RN}(x)\,Q_{RN}(W)`,
@@ -106,6 +105,11 @@ def nvfp4_path(forward_only: bool = False, gradient_rounding: str = 'stochastic'
   if gradient_rounding not in microscaling.ROUNDINGS:
     raise ValueError(f'nvfp4_path: gradient_rounding must be one of '
                      f'{microscaling.ROUNDINGS}, got {gradient_rounding!r}.')
+  return _nvfp4_path(bool(forward_only), gradient_rounding, bool(backward_only), bool(native))
+
+
+@functools.lru_cache(maxsize=None)
+def _nvfp4_path(forward_only, gradient_rounding, backward_only, native):
   matmul = native_microscaling.nvfp4_matmul if native else nvfp4_matmul
   forward = lambda x, kernel, out_dtype: matmul(x, kernel, out_dtype)
   if forward_only:
