@@ -252,6 +252,8 @@ def _contraction_size(instruction: Instruction, operand_shapes: list) -> int:
     return math.prod(d for d, label in zip(rhs, labels.group(1)) if label != 'o')
   if instruction.opcode == 'dot':
     dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', attributes)
+  elif _gemm_kind(instruction) == 'cudnn_block_scaled':
+    return operand_shapes[0][-1]  # [B, M, K] x [B, N, K] (jax.nn.scaled_matmul's layout)
   else:
     dims = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attributes)
   if not dims:
