@@ -61,10 +61,13 @@ def projection_cells() -> list:
   for config in CONFIGS:
     for target in ('h200', 'h100', 'b200', 'v6e-1', 'v5p-8'):
       paths = GPU_PATHS if target[0] in 'hb' else TPU_PATHS
-      cells += [aot_compiled.cell(target, config, path, mode) for path, mode in paths]
-      if target == 'b200':
-        cells += [aot_compiled.cell(target, config, path, 'static', microscaling_impl='native')
-                  for path in ('nvfp4', 'mxfp8')]
+      for path, mode in paths:
+        if target == 'b200' and path in ('nvfp4', 'mxfp8'):
+          # 'auto' is native on a B200: compile both implementations, named
+          cells += [aot_compiled.cell(target, config, path, mode, microscaling_impl=impl)
+                    for impl in ('emulated', 'native')]
+        else:
+          cells.append(aot_compiled.cell(target, config, path, mode))
   size = {c: i for i, c in enumerate(CONFIGS)}
   tier = {'h200': 0, 'h100': 0, 'b200': 0, 'v6e-1': 1, 'v5p-8': 2}
   # 60m-1b on the GPUs, then one TPU, then the other TPU, then 7b
@@ -299,7 +302,8 @@ def projection_table(reports, cal) -> list:
           r['kernels'], device_specs.get_spec(r['target'])).total_s
   for r in reports:
     c = r['cell']
-    path = c['path'] + (' native' if c['overrides'].get('microscaling_impl') == 'native' else '')
+    path = c['path'] + (f" {c['overrides']['microscaling_impl']}"
+                        if 'microscaling_impl' in c['overrides'] else '')
     if not r['kernels']:
       lines.append(f"| {r['target']} | {c['config']} | {r['batch_size']} | {path} | {c['mode']} "
                    f"| no ({(r['error'] or '')[:50]}) | - | - | - | - |")
@@ -329,8 +333,8 @@ def design_notes(reports) -> list:
   for r in reports:
     if r['kernels']:
       c = r['cell']
-      native = c['overrides'].get('microscaling_impl') == 'native'
-      by_key[(r['target'], c['config'], c['path'] + (' native' if native else ''),
+      impl = c['overrides'].get('microscaling_impl')
+      by_key[(r['target'], c['config'], c['path'] + (f' {impl}' if impl else ''),
               c['mode'])] = r
   lines = ['### What the model says about the design (model output, computed from the table)',
            '']

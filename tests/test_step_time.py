@@ -209,6 +209,8 @@ class ClassifyTest(parameterized.TestCase):
       ({'flops': 0, 'dtypes': ['f32'], 'op_name': 'jit(train_step)/cond/mul'}, 'optimizer'),
       ({'flops': 0, 'dtypes': ['f32'], 'op_name': 'jit(train_step)/jvp()/reduce_max'}, 'other'),
       ({'flops': 0, 'dtypes': ['f32'], 'op_name': ''}, 'other'),
+      ({'flops': 0, 'dtypes': ['bf16'], 'op_name': 'x/layers/attn/v/jit(nvfp4_quantize)/mul'},
+       'quantization'),
       ({'flops': 0, 'dtypes': ['bf16'], 'op_name': 'jit(step)/layers/attn/softmax'},
        'attention'),
       ({'flops': 10, 'gemm_class': 'bf16', 'op_name': 'x/layers/attn/q/dot_general'},

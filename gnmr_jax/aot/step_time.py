@@ -50,6 +50,7 @@ CATEGORIES = ('gemm bf16', 'gemm f32', 'gemm fp8', 'gemm int8', 'gemm fp4', 'gem
               'attention', 'quantization', 'optimizer', 'collectives', 'conditionals',
               'other', 'launch')
 _LOW_PRECISION = re.compile(r'^(f8|f4|s8$|s4$|u8$)')
+_QUANTIZE = re.compile(r'quantiz')  # an emulated path's rounding (jit(nvfp4_quantize)/...)
 _ATTENTION = re.compile(r'/(attn|attention)/')
 _OPTIMIZER = re.compile(r'optax|adam|opt_state|apply_updates|scale_by|clip_by')
 # jax names the forward 'jvp(...)' and the backward 'transpose(jvp(...))': an op named outside
@@ -76,7 +77,8 @@ def category(kernel: dict) -> str:
   """Where a kernel's time goes (one of CATEGORIES but 'launch').
 
   GEMMs by operand class (attention's own GEMMs under 'attention'); 'quantization': a kernel
-  touching f8 / f4 / s8 / u8 data that is no GEMM; 'optimizer': the update and the controller
+  touching f8 / f4 / s8 / u8 data that is no GEMM, or one of an emulated path's quantizers
+  (op named '...quantize...'); 'optimizer': the update and the controller
   (ops named outside the forward 'jvp(...)' and backward 'transpose(jvp(...))' passes);
   'other': everything else (norms, activations, the loss, buffer initialisation, copies).
   """
@@ -89,7 +91,7 @@ def category(kernel: dict) -> str:
     if _ATTENTION.search(op_name) and not inventory_lib.PROJECTION_OP.search(op_name):
       return 'attention'
     return 'gemm ' + kernel['gemm_class']
-  if any(_LOW_PRECISION.match(d) for d in kernel['dtypes']):
+  if any(_LOW_PRECISION.match(d) for d in kernel['dtypes']) or _QUANTIZE.search(op_name):
     return 'quantization'
   if _ATTENTION.search(op_name):
     return 'attention'
