@@ -43,6 +43,9 @@ SCRIPTS = [
      ["benchmarks/aot_compiled.py", "--matrix", "compiled_for", "--no_compile"]),
     ("Routed step at scale: routed / static (issue 37)",
      ["benchmarks/aot_compiled.py", "--matrix", "routed_cost", "--no_compile"]),
+    # Cells under benchmarks/results/step_time/ (--part calibration / projections resume them).
+    ("Step time on paper: a roofline model calibrated on the H200 anchors (issue 39)",
+     ["benchmarks/aot_step_time.py", "--no_compile"]),
 ]
 AOT_PYTHON = os.path.join(ROOT, ".venv-aot", "bin", "python")  # scripts named aot_* run there
 
