@@ -63,7 +63,11 @@ MATRICES = {
         + [cell('v5p-64', 'llama:7b', 'int8', 'gnmr', 8),
            cell('h100:2x8', 'llama:7b', 'fp8', 'gnmr', 16, FSDP_TENSOR_8),
            cell('v5p-64', 'llama:13b', 'int8', 'gnmr', 8),
-           cell('h100:2x8', 'llama:13b', 'fp8', 'gnmr', 16, FSDP_TENSOR_8)]),
+           cell('h100:2x8', 'llama:13b', 'fp8', 'gnmr', 16, FSDP_TENSOR_8)]
+        # issue 38: NVFP4 / MXFP8 native on Blackwell ('auto'), emulated on Hopper.
+        + _pair('b200', 'small', 'nvfp4') + _pair('b200', 'small', 'mxfp8')
+        + [cell('h100', 'small', 'nvfp4', 'static', note='emulated')]
+        + _pair('b200', 'llama:1b', 'nvfp4', 64)),
     # issue 37: the routed step against the static one, at the issue's sizes (batch 64 / device).
     'routed_cost': (
         _pair('h100', 'llama:1b', 'fp8', 64) + _pair('v5e-4', 'llama:1b', 'int8', 64)
@@ -137,8 +141,11 @@ def _gemms(step) -> str:
     name, operands = kind.split(' ', 1)
     lhs, _, rest = operands.partition(' x ')
     rhs, _, result = rest.partition(' -> ')
-    label = ('fp8' if lhs.startswith('f8') or rhs.startswith('f8') else
-             'int8' if lhs == 's8' else 'nvfp4' if name == 'cudnn_block_scaled' else lhs)
+    if name == 'cudnn_block_scaled':
+      label = 'native ' + ('nvfp4' if lhs.startswith('f4') else 'mxfp8')
+    else:
+      label = ('fp8' if lhs.startswith('f8') or rhs.startswith('f8') else
+               'int8' if lhs == 's8' else lhs)
     shares[label] = shares.get(label, 0) + value
   return ', '.join(f'{k} {100 * v / total:.0f}%' for k, v in sorted(shares.items(),
                                                                      key=lambda kv: -kv[1]))

@@ -11,15 +11,21 @@
 # later step is cut by its timeout); $OUT/env.txt records date, device and versions.
 # Paste the tables into BENCHMARKS.md with that header (never retype numbers).
 # SMALL=1 runs the same steps at CPU sizes: a dry run here before spending device time
-# (PATH=.venv/bin:$PATH SMALL=1 bash scripts/gpu_checks.sh).
+# (PATH=.venv/bin:$PATH SMALL=1 bash scripts/gpu_checks.sh). STEPS=a,b runs only those steps:
+# on a Blackwell GPU the steps take more than one 600 s call, so run
+# STEPS=microscaling_native first and the others in a second call.
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
 . "$(dirname "$0")/device_env.sh"  # wheels, PYTHONPATH, $OUT/env.txt
 
-step() {  # step NAME SECONDS CMD...
+step() {  # step NAME SECONDS CMD... (skipped unless NAME is in $STEPS, when STEPS is set)
   local name=$1 seconds=$2
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then
+    echo "== $name: not in STEPS=$STEPS"
+    return
+  fi
   echo "== $name (limit ${seconds}s): $*"
   timeout "$seconds" "$@" > "$OUT/$name.txt" 2>&1
   echo "   exit $? ; last lines:"
@@ -31,10 +37,17 @@ step() {  # step NAME SECONDS CMD...
 if [ "${SMALL:-0}" = 1 ]; then
   MODEL=(--model tiny --batch 4 --seq 64) SIZE=cpu CONFIGS=tiny
   REMAT_STEP=(--model tiny --batch 4 --seq 64)
+  NATIVE=(--model tiny --batch 4 --seq 64 --native cpu_reference)
 else
   MODEL=(--model 1b --batch 32 --seq 256) SIZE=gpu CONFIGS=60m,130m
   REMAT_STEP=(--model 1b --batch 16 --seq 256)
+  NATIVE=(--model 1b --batch 16 --seq 256 --only_if_native)
 fi
+# Issue 38, first where the GPU is a Blackwell (compute capability >= 10; elsewhere it exits at
+# once): the native NVFP4 / MXFP8 steps (one cuDNN block-scaled GEMM per leg) against their
+# emulation, fp8 and bf16, static, every projection on the path.
+step microscaling_native 200 python3 benchmarks/microscaling_step.py "${NATIVE[@]}" \
+  --variants "fp8,mxfp8,mxfp8 native,nvfp4,nvfp4 native" --rounds 3 --iters 3
 # The issue's goal (model.remat='none': the step's own matmul cost).
 step model_step 290 python3 benchmarks/model_step.py "${MODEL[@]}" --paths fp8,int8 \
   --rounds 3 --iters 3

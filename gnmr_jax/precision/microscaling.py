@@ -67,10 +67,13 @@ power of two), exact in bfloat16, and the NVFP4 tensor scale separately; the
 paths multiply them in a bf16 x bf16 -> float32 ``dot_general``, as the bf16
 recovery path does, and apply the two tensor scales to the float32 result, as a
 block-scaled GEMM does. The numerics are the formats'; the speed is bf16's.
-``jax.nn.scaled_dot_general`` is not used: it does not lower on CPU, its NVFP4
-backward is unquantized, and its quantizer divides where this one multiplies by
-encode scales. A native forward on Blackwell GPUs would first need a test that
-its values equal these where both run.
+**Native**: ``nvfp4_codes`` / ``mxfp8_codes`` give the codes and scales before they
+are multiplied; native_microscaling.py stores them in the formats' dtypes and multiplies
+them in a block-scaled GEMM (Blackwell GPUs), the same values up to the order of the
+float32 sums. ``jax.nn.scaled_dot_general`` is not used: its NVFP4 global scale is a
+constant (1 by default, so small tensors underflow and large ones saturate), its NVFP4
+backward is unquantized, and its MXFP8 quantizer turns all-zero blocks into NaN on a
+host that flushes subnormals (experiments/microscaling_semantics.py measures each).
 """
 
 from __future__ import annotations
