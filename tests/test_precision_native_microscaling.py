@@ -287,3 +287,45 @@ def test_routed_native_unit_is_the_emulated_one_on_any_mesh(layout, tokens):
       bound = (2 if bit else 1) * 2 * qa.shape[1] * EPS * (np.abs(qa) @ np.abs(qb))
       diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
       assert np.all(diff <= bound), (layout, bit, leg, float(np.max(diff - bound)))
+
+
+# --- jax.nn.scaled_dot_general, the peer: what the docs say it does differently ------------
+
+
+def test_jax_scaled_dot_general_quantizes_by_another_recipe_as_the_docs_say():
+  """experiments/microscaling_semantics.py's table, checked: jax's NVFP4 with the recipe's
+  per-tensor scale as its global scale gives the recipe's values; with its default global
+  scale 1 small tensors underflow and large ones saturate; its MXFP8 equals the recipe's but
+  for all-zero blocks, which become NaN here (XLA:CPU flushes its 2^-127 scale to zero)."""
+  from experiments import microscaling_semantics as semantics
+  rows = {(t, f, r): (error, differ, bad)
+          for t, f, r, error, differ, bad in semantics.quantize_rows()}
+  tensors = {t for t, _, _ in rows}
+  for tensor in tensors:
+    assert rows[tensor, 'nvfp4', "jax, global scale = the recipe's"][1] == 0, tensor
+    recipe_error = rows[tensor, 'nvfp4', 'recipe'][0]
+    assert recipe_error < 0.1, tensor
+  assert rows['small (1e-4 x normal)', 'nvfp4', 'jax, global scale 1 (default)'][0] > 0.99
+  assert rows['large (1e4 x normal)', 'nvfp4', 'jax, global scale 1 (default)'][0] > 0.5
+  for tensor in tensors - {'all-zero blocks (1/4 of them)'}:
+    assert rows[tensor, 'mxfp8', 'jax'][1:] == (0, 0), tensor
+  _, differ, bad = rows['all-zero blocks (1/4 of them)', 'mxfp8', 'jax']
+  assert (differ, bad) == (0.25, 64 * 64)
+
+
+def test_jax_scaled_dot_general_nvfp4_backward_is_unquantized():
+  """Its NVFP4 input gradient is g W^T on the unquantized operands (float32 here), where the
+  recipe quantizes g (stochastically) and W^T: the path the training comparison runs."""
+  from experiments import microscaling_semantics as semantics
+  from gnmr_jax.precision import registry
+  semantics.register_sdg_paths()
+  config = precision.default_precision_config()
+  dot = path_dot(registry.get_path('jax_sdg_nvfp4')(config, 'low_cost'))
+  x, w, g = _operands(shape=(32, 64, 48))
+  dx, dw = jax.vjp(dot, x, w)[1](g)
+  f64 = lambda a: np.asarray(a, np.float64)
+  x64, w64, g64 = f64(x), f64(w), f64(g)
+  for got, want, magnitude, k in ((dx, g64 @ w64.T, np.abs(g64) @ np.abs(w64).T, 48),
+                                  (dw, x64.T @ g64, np.abs(x64).T @ np.abs(g64), 32)):
+    # float32 products summed in float32: within 2 k eps (|a| @ |b|) of the float64 product.
+    assert np.all(np.abs(f64(got) - want) <= 2 * k * EPS * magnitude)
