@@ -68,10 +68,16 @@ def projection_cells() -> list:
                     for impl in ('emulated', 'native')]
         else:
           cells.append(aot_compiled.cell(target, config, path, mode))
+      if target == 'h200':
+        # the static step with its layers unrolled, as the routed step's are on a GPU
+        # (precision.routed_scan_unroll=-1): what the scan costs, apart from the precision
+        cells += [aot_compiled.cell(target, config, path, 'static', scan_layers=False)
+                  for path in ('bf16', 'fp8')]
   size = {c: i for i, c in enumerate(CONFIGS)}
   tier = {'h200': 0, 'h100': 0, 'b200': 0, 'v6e-1': 1, 'v5p-8': 2}
   # 60m-1b on the GPUs, then one TPU, then the other TPU, then 7b
-  return sorted(cells, key=lambda c: (c['config'] == 'llama:7b', tier[c['target']],
+  return sorted(cells, key=lambda c: (c['config'] == 'llama:7b', tier[c['target']]
+                                      + 0.5 * ('scan_layers' in c['overrides']),
                                       size[c['config']]))
 
 
@@ -114,9 +120,10 @@ def compile_projection(c) -> dict:
   config = aot_compiled.load_config(c['config'])
   config.precision.mode, config.precision.low_cost_path = c['mode'], c['path']
   for field, value in c['overrides'].items():
-    if field not in config.precision:
+    section = config.model if field in config.model else config.precision
+    if field not in section:
       raise ValueError(f'config.precision has no field {field!r} yet')
-    config.precision[field] = value
+    section[field] = value
   start = time.perf_counter()
   report = compile_lib.compile_config(config, targets.get_target(c['target']),
                                       steps=('train',), keep_hlo=True)
@@ -282,6 +289,15 @@ def _error_label(cal, path, mode) -> str:
   return '; '.join(parts)
 
 
+def _path_label(c) -> str:
+  label = c['path']
+  if 'microscaling_impl' in c['overrides']:
+    label += f" {c['overrides']['microscaling_impl']}"
+  if c['overrides'].get('scan_layers') is False:
+    label += ' (layers unrolled)'
+  return label
+
+
 def projection_table(reports, cal) -> list:
   prefix = 'model output' if cal['within_goal'] else 'model output, NOT a prediction'
   lines = [f'### Projections ({prefix}): train step of configs/llama.py, per device', '',
@@ -290,22 +306,29 @@ def projection_table(reports, cal) -> list:
            '(the bf16 step, the path\'s speed-up over bf16, routed unrolled / static); '
            '"no anchor": NVFP4 / MXFP8 and every TPU rate carry the H200\'s measured GEMM '
            'efficiency, an assumption. Routed "max_o" prices max_o of the units recovered '
-           '(every conditional taking the recovery branch max_o / units of the time).', '',
+           '(every conditional taking the recovery branch max_o / units of the time). batch: '
+           'the config\'s batch of 256-token sequences ("on N": over N devices, data '
+           'parallel, figures per device); fits: '
+           'the compiled step\'s peak memory fits the device (priced either way). On a GPU the '
+           'routed step\'s layers are unrolled (precision.routed_scan_unroll=-1) and a static '
+           'step\'s are a scan unless marked "layers unrolled": compare those rows for the '
+           'precision\'s gain at equal structure.', '',
            '| target | config | batch | path | mode | fits | model ms: static or routed 0 '
            '/ routed max_o | speed-up vs bf16 (model) | where the time goes (model) '
            '| calibration error |', '|' + '---|' * 10]
   bf16 = {}
   for r in reports:
     c = r['cell']
-    if c['path'] == 'bf16' and r['kernels']:
+    if c['path'] == 'bf16' and not c['overrides'] and r['kernels']:
       bf16[(r['target'], c['config'])] = step_time.price(
           r['kernels'], device_specs.get_spec(r['target'])).total_s
   for r in reports:
     c = r['cell']
-    path = c['path'] + (f" {c['overrides']['microscaling_impl']}"
-                        if 'microscaling_impl' in c['overrides'] else '')
+    path = _path_label(c)
+    batch = r['batch_size'] if r['num_devices'] == 1 else (
+        f"{r['batch_size']} on {r['num_devices']}")
     if not r['kernels']:
-      lines.append(f"| {r['target']} | {c['config']} | {r['batch_size']} | {path} | {c['mode']} "
+      lines.append(f"| {r['target']} | {c['config']} | {batch} | {path} | {c['mode']} "
                    f"| no ({(r['error'] or '')[:50]}) | - | - | - | - |")
       continue
     spec = device_specs.get_spec(r['target'])
@@ -321,7 +344,7 @@ def projection_table(reports, cal) -> list:
         speed = f'{base / step.total_s:.2f}x / {base / full.total_s:.2f}x'
     elif base:
       speed = f'{base / step.total_s:.2f}x'
-    lines.append(f"| {r['target']} | {c['config']} | {r['batch_size']} | {path} | {c['mode']} "
+    lines.append(f"| {r['target']} | {c['config']} | {batch} | {path} | {c['mode']} "
                  f"| {'yes' if r['fits'] else 'no'} | {times} | {speed or '-'} | {_shares(step)} "
                  f"| {_error_label(cal, c['path'], c['mode'])} |")
   return lines
@@ -333,9 +356,7 @@ def design_notes(reports) -> list:
   for r in reports:
     if r['kernels']:
       c = r['cell']
-      impl = c['overrides'].get('microscaling_impl')
-      by_key[(r['target'], c['config'], c['path'] + (f' {impl}' if impl else ''),
-              c['mode'])] = r
+      by_key[(r['target'], c['config'], _path_label(c), c['mode'])] = r
   lines = ['### What the model says about the design (model output, computed from the table)',
            '']
   for (target, config, path, mode), r in by_key.items():
@@ -360,6 +381,21 @@ def design_notes(reports) -> list:
       text += (f'; routed with nothing recovered {base / zero:.2f}x bf16 '
                f'({_pct(zero / static.total_s - 1)} over static)')
     lines.append(text)
+  for (target, config, path, mode), r in by_key.items():
+    if path != 'bf16 (layers unrolled)':
+      continue
+    spec = device_specs.get_spec(target)
+    base = step_time.price(r['kernels'], spec).total_s
+    rolled = by_key.get((target, config, 'bf16', 'static'))
+    parts = [f'- {target} {config}, layers unrolled: bf16 static '
+             + (f"{step_time.price(rolled['kernels'], spec).total_s / base:.2f}x faster "
+                'than with its layers in a scan' if rolled else '')]
+    for label, key in (('fp8 static', 'fp8 (layers unrolled)'), ('fp8 routed', 'fp8')):
+      other = by_key.get((target, config, key, 'static' if 'static' in label else 'gnmr'))
+      if other:
+        parts.append(f'{label} {base / step_time.price(other["kernels"], spec).total_s:.2f}x '
+                     'the unrolled bf16 step')
+    lines.append('; '.join(parts))
   return lines + ['']
 
 
