@@ -75,8 +75,9 @@ def projection_cells() -> list:
                   for path in ('bf16', 'fp8')]
   size = {c: i for i, c in enumerate(CONFIGS)}
   tier = {'h200': 0, 'h100': 0, 'b200': 0, 'v6e-1': 1, 'v5p-8': 2}
-  # 60m-1b on the GPUs, then one TPU, then the other TPU, then 7b
-  return sorted(cells, key=lambda c: (c['config'] == 'llama:7b', tier[c['target']]
+  # 60m-1b on the GPUs, then one TPU, then 7b, then the other TPU
+  return sorted(cells, key=lambda c: (c['target'] == 'v5p-8', c['config'] == 'llama:7b',
+                                      tier[c['target']]
                                       + 0.5 * ('scan_layers' in c['overrides']),
                                       size[c['config']]))
 
