@@ -13,7 +13,7 @@ a float32 dot), so what differs is the semantics, not the hardware.
 --part train: one JSON per (regime, arm, seed) under
 experiments/results/microscaling_semantics/<regime>/<arm>/seed<k>.json, skipped when it exists
 (an interrupted sweep resumes). Regimes 'nvfp4' and 'mxfp8' of experiments/noise_fraction.py
-(d 128, 4 layers, 200 steps on the CPU), static. Arms: 'recipe' (the project's path: the same
+(d 128, 4 layers, 200 steps on the CPU; ffn_dim 352, a multiple of 32), static. Arms: 'recipe' (the project's path: the same
 numerics native or emulated), 'recipe_perturb' (the same with the initial params times
 (1 + 1e-7 z): the noise floor), 'jax' (every projection through `jax.nn.scaled_dot_general`
 with `get_scaled_dot_general_config(mode)`'s defaults, operands in float32).
@@ -152,9 +152,15 @@ def quantize_table() -> list:
 # --- training ------------------------------------------------------------------------------
 
 
+# jax.nn.scaled_dot_general asserts that every contraction is a multiple of the block (the
+# recipe pads): the scenario model's ffn_dim 344 becomes 352 in every arm here.
+FFN_DIM = 352
+
+
 def arm_config(regime, arm, seed):
   base_arm = "static_low_perturb" if arm == "recipe_perturb" else "static_low"
   config = noise_fraction.arm_config(regime, base_arm, seed)
+  config.model.ffn_dim = FFN_DIM
   config.diagnostics.recovery_gap_every = 0
   config.logging.unit_log_every = 0
   config.precision.microscaling_impl = "emulated"  # the native GEMM's numerics (tests show it)
@@ -238,8 +244,8 @@ def report() -> str:
        "block-scaled GEMM runs as its definition (dequantize, float32 dot).", "",
        "## The quantizers, one tensor each (round to nearest; NVFP4 along rows of 16, MXFP8 "
        "of 32)", ""] + quantize_table()
-      + ["", "## Training: the scenario CPU model (d 128, 4 layers, 200 steps), static, "
-         "every projection on the path", "",
+      + ["", f"## Training: the scenario CPU model (d 128, ffn {FFN_DIM}, 4 layers, 200 steps), "
+         "static, every projection on the path", "",
          f"Runs: {', '.join(f'{d} on {dev}' for d, dev in dated) or 'none yet'}; "
          f"versions {versions}.", ""] + train_table()) + "\n"
 
