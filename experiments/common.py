@@ -240,6 +240,14 @@ def summarise_run(workdir: str, heatmap: bool = False) -> dict:
   return out
 
 
+def write_json(path: str, obj) -> None:
+  """Writes ``obj`` to ``path`` whole or not at all (a killed sweep leaves no half a result)."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(path + ".tmp", path)
+
+
 def versions() -> dict:
   import flax  # pylint: disable=g-import-not-at-top
   return {"python": platform.python_version(), "jax": jax.__version__,

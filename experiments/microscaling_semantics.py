@@ -190,10 +190,7 @@ def run_one(regime, arm, seed):
          "steps": summary["step"], "tokens_per_s": summary["tokens_per_s"],
          "wall_seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d"),
          "device": common.device_description(), "versions": common.versions()}
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(out, f, indent=1)
-  os.replace(path + ".tmp", path)
+  common.write_json(path, out)
   print(f"[microscaling_semantics] {regime} {arm} seed{seed}: loss {out['eval_loss']:.4f} "
         f"({out['wall_seconds']:.0f} s)", flush=True)
   return out

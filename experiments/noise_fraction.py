@@ -209,10 +209,7 @@ def run_one(regime, arm, seed, data=None):
          else 0.0, "tokens_per_s": summary["tokens_per_s"], "wall_seconds": time.time() - t0,
          "steps": summary["step"], "smoke": SMOKE["on"], "date": time.strftime("%Y-%m-%d"),
          "device": common.device_description(), "versions": common.versions()}
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(out, f, indent=1)
-  os.replace(path + ".tmp", path)
+  common.write_json(path, out)
   print(f"[noise_fraction] {regime} {arm} seed{seed}: loss {out['eval_loss']:.4f} recovered "
         f"{out['recovered_unit_steps_pct']:.2f}% ({out['wall_seconds']:.0f} s)", flush=True)
   return out
