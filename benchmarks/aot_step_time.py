@@ -361,7 +361,8 @@ def design_notes(reports) -> list:
   lines = ['### What the model says about the design (model output, computed from the table)',
            '']
   for (target, config, path, mode), r in by_key.items():
-    if mode != 'static' or path == 'bf16' or (target, config, 'bf16', 'static') not in by_key:
+    if (mode != 'static' or path == 'bf16' or 'unrolled' in path
+        or (target, config, 'bf16', 'static') not in by_key):
       continue
     spec = device_specs.get_spec(target)
     base = step_time.price(by_key[(target, config, 'bf16', 'static')]['kernels'], spec).total_s
@@ -373,7 +374,7 @@ def design_notes(reports) -> list:
                                                     step_time.CATEGORIES if k.startswith('gemm'))
     text = (f'- {target} {config} {path}: static {base / static.total_s:.2f}x bf16; GEMMs save '
             f'{gemm_saved * 1e3:.2f} ms, quantization fusions cost {quant * 1e3:.2f} ms '
-            f'({100 * quant / gemm_saved:.0f}% of the saving)' if gemm_saved > 0 else
+            f'({100 * quant / gemm_saved:.0f}% of the saving)' if gemm_saved > 1e-3 * base else
             f'- {target} {config} {path}: static {base / static.total_s:.2f}x bf16; its GEMMs '
             f'save nothing over bf16 here')
     routed = by_key.get((target, config, path, 'gnmr'))
