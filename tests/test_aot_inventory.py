@@ -175,3 +175,16 @@ def test_program_cache_round_trip_and_keys(tmp_path):
   (tmp_path / (others[0] + '.json.gz')).write_bytes(b'\x1f\x8b\x08 truncated')
   assert program_cache.load(str(tmp_path), others[0]) is None
   assert program_cache.load(None, key) is None
+
+
+def test_dilated_convolution_counts_the_elements_it_meets():
+  # A TPU batched matmul (attention's scores): batch dimensions b=4, h=2 as windows of size =
+  # lhs dilation, so each output element sums over the 16 features only.
+  hlo = '''HloModule m
+ENTRY %main (a: f32[4,16,2,8], b: f32[4,16,2,8]) -> f32[4,2,8,8] {
+  %a = f32[4,16,2,8]{3,2,1,0} parameter(0)
+  %b = f32[4,16,2,8]{3,2,1,0} parameter(1)
+  ROOT %c = f32[4,2,8,8]{3,2,1,0} convolution(%a, %b), window={size=4x2 stride=3x1 lhs_dilate=4x2}, dim_labels=0f1b_0i1o->01bf
+}'''
+  (gemm,) = inventory.parse(hlo).gemms
+  assert gemm.flops == 2 * (4 * 2 * 8 * 8) * 16

@@ -244,12 +244,23 @@ def _contraction_size(instruction: Instruction, operand_shapes: list) -> int:
     return 0
   attributes = instruction.attributes
   if instruction.opcode == 'convolution':
-    # dim_labels=<lhs>_<rhs>-><out>: every rhs dimension but the output feature 'o' is summed.
+    # dim_labels=<lhs>_<rhs>-><out>: every rhs dimension but the output feature 'o' is summed;
+    # a window dimension over an lhs dilated by d meets ceil(size / d) real elements (a TPU
+    # batched matmul is a convolution whose batch dimensions are windows of size = dilation:
+    # one element each).
     labels = re.search(r'dim_labels=\w+_(\w+)->', attributes)
     rhs = operand_shapes[1] if len(operand_shapes) > 1 else None
     if not labels or rhs is None or len(labels.group(1)) != len(rhs):
       return 0
-    return math.prod(d for d, label in zip(rhs, labels.group(1)) if label != 'o')
+    dilation = re.search(r'lhs_dilate=([\dx]+)', attributes)
+    dilation = [int(d) for d in dilation.group(1).split('x')] if dilation else []
+    size = 1
+    for d, label in zip(rhs, labels.group(1)):
+      if label.isdigit() and int(label) < len(dilation):
+        size *= -(-d // dilation[int(label)])
+      elif label != 'o':
+        size *= d
+    return size
   if instruction.opcode == 'dot':
     dims = re.search(r'lhs_contracting_dims=\{([\d,]*)\}', attributes)
   elif _gemm_kind(instruction) == 'cudnn_block_scaled':
@@ -398,45 +409,64 @@ def _array_bytes(type_text: str) -> float:
   return float(sum(math.prod(s) * dtype_bytes(d) for d, s in arrays(type_text)))
 
 
-def _fused_traffic(inventory: Inventory, fusion: Instruction) -> tuple[float, float]:
-  """(bytes read, bytes written) of one launch of `fusion`."""
+def _fused_body(inventory: Inventory, fusion: Instruction):
+  """(params by index, users by operand name, root) of the computation `fusion` calls."""
   callee = re.search(r'\bcalls=%([\w.\-]+)', fusion.attributes)
-  instructions = inventory.instructions
   body = inventory.computations.get(callee.group(1), []) if callee else []
   users = collections.defaultdict(list)
   params, root = {}, None
   for name in body:
-    instruction = instructions[name]
+    instruction = inventory.instructions[name]
     for operand in instruction.operands:
       users[operand].append(instruction)
     if instruction.opcode == 'parameter':
       params[int(instruction.raw_operands.strip() or 0)] = instruction
     root = instruction  # the ROOT is printed last
+  return params, users, root
 
-  def reads(name, full):
-    """Bytes read of buffer `name` (full size `full`) through its users, bitcasts followed."""
+
+def _reads(inventory: Inventory, fusion: Instruction, index: int, full: float,
+           depth: int = 0) -> float:
+  """Bytes a launch of `fusion` reads of its operand `index` (full size `full`): its slices
+  when only sliced (bitcasts and nested fusions followed), nothing when only updated in place."""
+  params, users, _ = _fused_body(inventory, fusion)
+  if index not in params or depth > 8:
+    return full
+
+  def through(name):
     total = 0.0
     for user in users.get(name, ()):
       if user.opcode == 'bitcast':
-        total += reads(user.name, full)
+        total += through(user.name)
       elif user.opcode in _SLICING and user.operands[0] == name:
         total += _array_bytes(user.type)
       elif user.opcode == 'dynamic-update-slice' and user.operands[0] == name:
         continue  # updated in place: only the update is touched (counted as written)
+      elif user.opcode == 'fusion':  # nested (TPU): what the inner fusion reads of it
+        total += sum(_reads(inventory, user, i, full, depth + 1)
+                     for i, operand in enumerate(user.operands) if operand == name)
       else:
         return full
-    return min(total, full)
+    return total
 
+  return min(through(params[index].name), full)
+
+
+def _fused_traffic(inventory: Inventory, fusion: Instruction) -> tuple[float, float]:
+  """(bytes read, bytes written) of one launch of `fusion`."""
+  instructions = inventory.instructions
+  _, _, root = _fused_body(inventory, fusion)
   read = 0.0
   for index, operand in enumerate(fusion.operands):
     full = _array_bytes(instructions[operand].type) if operand in instructions else 0.0
-    param = params.get(index)
-    read += reads(param.name, full) if param is not None else full
+    read += _reads(inventory, fusion, index, full)
   outputs = [root] if root is not None else []
   if root is not None and root.opcode == 'tuple':
     outputs = [instructions[o] for o in root.operands if o in instructions]
   written = 0.0
   for output in outputs:
+    while output.opcode == 'bitcast' and output.operands and output.operands[0] in instructions:
+      output = instructions[output.operands[0]]
     if output.opcode == 'dynamic-update-slice' and len(output.operands) > 1:
       written += _array_bytes(instructions[output.operands[1]].type)
     else:
