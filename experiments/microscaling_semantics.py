@@ -16,7 +16,8 @@ experiments/results/microscaling_semantics/<regime>/<arm>/seed<k>.json, skipped 
 (d 128, 4 layers, 200 steps on the CPU; ffn_dim 352, a multiple of 32), static. Arms: 'recipe' (the project's path: the same
 numerics native or emulated), 'recipe_perturb' (the same with the initial params times
 (1 + 1e-7 z): the noise floor), 'jax' (every projection through `jax.nn.scaled_dot_general`
-with `get_scaled_dot_general_config(mode)`'s defaults, operands in float32).
+with `get_scaled_dot_general_config(mode)`'s defaults, operands in float32), and for NVFP4
+'recipe_fwd' (the recipe's forward, a bf16 backward: what jax's NVFP4 backward is like).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ from experiments import selection_report  # noqa: E402  pylint: disable=g-import
 RESULTS = os.path.join(common.RESULTS_DIR, "microscaling_semantics")
 REPORT = os.path.join(RESULTS, "REPORT.md")
 REGIMES = ("nvfp4", "mxfp8")
-ARMS = ("recipe", "recipe_perturb", "jax")
+ARMS = ("recipe", "recipe_perturb", "jax", "recipe_fwd")
+# 'recipe_fwd' (NVFP4 only): the recipe's forward with a bf16 backward (nvfp4_forward_only),
+# as jax's NVFP4 leaves its backward unquantized: jax against it isolates the forward's rules.
+ARMS_OF = {"nvfp4": ARMS, "mxfp8": ARMS[:3]}
 SDG_PATHS = {"nvfp4": "jax_sdg_nvfp4", "mxfp8": "jax_sdg_mxfp8"}
 
 
@@ -166,6 +170,8 @@ def arm_config(regime, arm, seed):
   config.precision.microscaling_impl = "emulated"  # the native GEMM's numerics (tests show it)
   if arm == "jax":
     config.precision.low_cost_path = SDG_PATHS[regime]
+  elif arm == "recipe_fwd":
+    config.precision.nvfp4_forward_only = True
   return config
 
 
@@ -207,26 +213,32 @@ def load(regime):
   return out
 
 
+def _paired_text(rows, reference) -> str:
+  if not reference:
+    return "-"
+  d, se, n = selection_report.paired(rows.values(), reference.values())
+  return f"{d:+.4f} +- {se:.4f} (n={n})" if n >= 2 else "-"
+
+
 def train_table() -> list:
   lines = ["| regime | arm | seeds | final eval loss (mean) | loss - recipe, paired (mean +- SE) "
-           "| noise floor: max abs(recipe_perturb - recipe) |", "|---|---|---|---|---|---|"]
+           "| loss - recipe_fwd, paired | noise floor: max abs(recipe_perturb - recipe) |",
+           "|---|---|---|---|---|---|---|"]
   for regime in REGIMES:
     results = load(regime)
     floor = [abs(results["recipe_perturb"][k]["eval_loss"] - results["recipe"][k]["eval_loss"])
              for k in set(results.get("recipe_perturb", {})) & set(results.get("recipe", {}))]
-    for arm in ARMS:
+    for arm in ARMS_OF[regime]:
       rows = results.get(arm, {})
       if not rows:
-        lines.append(f"| {regime} | {arm} | 0 | not run | - | - |")
+        lines.append(f"| {regime} | {arm} | 0 | not run | - | - | - |")
         continue
       mean = np.mean([r["eval_loss"] for r in rows.values()])
-      paired = "-"
-      if arm != "recipe":
-        d, se, n = selection_report.paired(rows.values(), results.get("recipe", {}).values())
-        paired = f"{d:+.4f} +- {se:.4f} (n={n})" if n >= 2 else "-"
-      lines.append(f"| {regime} | {arm} | {len(rows)} | {mean:.4f} | {paired} | "
-                   f"{max(floor):.4f} |" if floor else
-                   f"| {regime} | {arm} | {len(rows)} | {mean:.4f} | {paired} | - |")
+      versus = lambda other: "-" if arm in ("recipe", other) else _paired_text(
+          rows, results.get(other, {}))
+      lines.append(f"| {regime} | {arm} | {len(rows)} | {mean:.4f} | {versus('recipe')} | "
+                   f"{versus('recipe_fwd') if arm == 'jax' else '-'} | "
+                   f"{f'{max(floor):.4f}' if floor else '-'} |")
   return lines
 
 
@@ -261,7 +273,8 @@ def main(argv=None):
     for seed in range(args.seeds):
       for regime in args.regimes.split(","):
         for arm in args.arms.split(","):
-          run_one(regime, arm, seed)
+          if arm in ARMS_OF[regime]:
+            run_one(regime, arm, seed)
   else:
     text = report()
     os.makedirs(RESULTS, exist_ok=True)
