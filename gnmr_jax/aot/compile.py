@@ -256,7 +256,9 @@ def compile_config(config: ml_collections.ConfigDict, target: str | targets_lib.
       'model': run.model_config.get('name', '?'),
       'precision': {'mode': run.config.precision.mode,
                     'low_cost_path': run.config.precision.low_cost_path,
-                    'recovery_path': run.config.precision.recovery_path},
+                    'recovery_path': run.config.precision.recovery_path,
+                    # as resolved for the target's devices ('auto' never stays)
+                    'microscaling_impl': run.config.precision.microscaling_impl},
       'versions': versions(), 'steps': {},
   }
   jitted = {'train': run.train_step, 'eval': run.eval_step}

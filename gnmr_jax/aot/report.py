@@ -18,7 +18,9 @@ def format_report(report: dict) -> str:
       f"model {report['model']}, batch {report['batch_size']} x {report['seq_len']}, mesh "
       + ' x '.join(f'{k}={v}' for k, v in report['mesh'].items())
       + f"; precision {precision['mode']} {precision['low_cost_path']}"
-      + (f" / {precision['recovery_path']}" if precision['mode'] == 'gnmr' else ''),
+      + (f" / {precision['recovery_path']}" if precision['mode'] == 'gnmr' else '')
+      + (f" (microscaling {precision['microscaling_impl']})"
+         if precision.get('microscaling_impl', 'auto') != 'auto' else ''),
   ]
   for step, entry in report['steps'].items():
     if 'error' in entry:

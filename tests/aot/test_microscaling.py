@@ -59,3 +59,13 @@ def test_b200_runs_every_quantized_projection_leg_as_a_cudnn_block_scaled_gemm(
   assert total_flops(native) == native_legs * forward
   assert total_flops(bf16) == (3 - native_legs) * forward
   assert not [g for g in native if not g.backward]          # the forward is bf16
+
+
+def test_the_report_names_the_resolved_implementation():
+  """The tool's report says which implementation 'auto' became for the target."""
+  from gnmr_jax.aot import report as report_lib
+  _, native, _ = compiled('b200', 'static', 'nvfp4', recovery='bf16', **NATIVE_SHAPE)
+  _, emulated, _ = compiled('h100', 'static', 'mxfp8')
+  assert native['precision']['microscaling_impl'] == 'native'
+  assert emulated['precision']['microscaling_impl'] == 'emulated'
+  assert '(microscaling native)' in report_lib.format_report(native)
