@@ -145,6 +145,19 @@ class GemmTest(parameterized.TestCase):
 
 class WalkTest(parameterized.TestCase):
 
+  def test_tpu_prefetch_into_on_chip_memory_costs_nothing(self):
+    hlo = '''HloModule m
+ENTRY %main (a: s8[4194304]) -> s8[1048576] {
+  %a = s8[4194304]{0} parameter(0)
+  %s = ((s8[4194304]{0}), s8[1048576]{0}, s32[]) slice-start(%a), slice={[0:1048576]}
+  ROOT %d = s8[1048576]{0} slice-done(%s)
+}'''
+    self.assertEqual(_price(hlo, V6E).total_s, 0.0)
+    on_gpu = _price(hlo, H200)  # not a TPU: a kernel like any other
+    moved = 4194304 + (4194304 + 1048576 + 4)  # read, and the result tuple written
+    self.assertAlmostEqual(on_gpu.total_s, moved / H200.memory_bandwidth + H200.launch_s,
+                           delta=1e-12)
+
   def test_loop_trip_count_multiplies_and_branch_share_mixes(self):
     launch, bw = H200.launch_s, H200.memory_bandwidth
     mul = (2 + 2) * 1024 * 1024 / bw + launch            # bf16 in, bf16 out

@@ -7,6 +7,8 @@ collectives, conditionals) is priced on a device (device_specs.DeviceSpec):
   other       bytes / HBM bandwidth + launch            (fusions, copies, reductions)
   collective  bytes / interconnect bandwidth (x2 for an all-reduce) + launch
   conditional launch, + `cond_in_loop_s` per execution inside a while loop (GPU; fitted)
+  TPU prefetch nothing (copy-start / slice-start into on-chip memory overlap; the consumer's
+              operands are priced)
 
 times its executions per step (loop trip counts multiplied). A kernel under conditionals counts
 with the share of executions that take its branches: `recovered` is the share of conditional
@@ -46,6 +48,9 @@ from gnmr_jax.aot import inventory as inventory_lib
 # conditional that stops the stream from running ahead inside a loop (measured: the same
 # conditionals unrolled cost nothing).
 COND_IN_LOOP_S_FITTED = 100e-6
+# TPU asynchronous copies between HBM and on-chip memory (VMEM / CMEM) that XLA schedules ahead
+# of their consumers: priced at nothing, since the consumer's operand bytes are priced already.
+_TPU_PREFETCH = frozenset(('copy-start', 'slice-start'))
 CATEGORIES = ('gemm bf16', 'gemm f32', 'gemm fp8', 'gemm int8', 'gemm fp4', 'gemm mxfp8',
               'attention', 'quantization', 'optimizer', 'collectives', 'conditionals',
               'other', 'launch')
@@ -177,6 +182,8 @@ def price(kernels: list[dict], spec: device_specs.DeviceSpec, recovered: float =
     runs = k['executions'] * k['count'] * _share(k['branches'], recovered)
     if not runs:
       continue
+    if spec.platform == 'tpu' and k['opcode'] in _TPU_PREFETCH:
+      continue  # a copy into on-chip memory, overlapped; its consumer's read is counted
     if k['opcode'] == 'conditional':
       seconds = cond_in_loop_s if (k['in_loop'] and spec.platform == 'gpu') else 0.0
     elif k['collective']:
