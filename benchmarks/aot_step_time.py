@@ -123,14 +123,18 @@ def compile_projection(c) -> dict:
   from gnmr_jax.aot import targets  # pylint: disable=g-import-not-at-top
   config = aot_compiled.load_config(c['config'])
   config.precision.mode, config.precision.low_cost_path = c['mode'], c['path']
+  target = targets.get_target(c['target'])
+  if c['per_device_batch']:
+    config.data.batch_size = c['per_device_batch'] * target.num_devices
+  for axis, size in c['mesh'].items():
+    config.mesh[axis] = size
   for field, value in c['overrides'].items():
     section = config.model if field in config.model else config.precision
     if field not in section:
       raise ValueError(f'config.precision has no field {field!r} yet')
     section[field] = value
   start = time.perf_counter()
-  report = compile_lib.compile_config(config, targets.get_target(c['target']),
-                                      steps=('train',), keep_hlo=True)
+  report = compile_lib.compile_config(config, target, steps=('train',), keep_hlo=True)
   step = report['steps']['train']
   hlo = step.pop('hlo', None)
   out = {key: report[key] for key in ('target', 'platform', 'num_devices', 'batch_size',
