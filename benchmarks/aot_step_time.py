@@ -438,7 +438,10 @@ def main():
   print('\n### Device constants (gnmr_jax/aot/device_specs.py; model rate = calibrated on the '
         'H200, else datasheet x the H200\'s measured efficiency)\n')
   print('\n'.join(device_specs.table()))
-  print()
+  print(f"\nlaunch: {device_specs.SPECS['h200'].sources['launch_s']}; TPU: "
+        f"{device_specs.SPECS['v6e'].sources['launch_s']}. f32: "
+        f"{device_specs.SPECS['h200'].sources['f32']}; TPU: {device_specs.SPECS['v6e'].sources['f32']}."
+        " fp4 / mxfp8 / fp8 on a chip without them: the bf16 rate.\n")
   print('\n'.join(calibration_tables(cal)))
   reports, missing = projections(args.redo, not args.no_compile and args.part != 'calibration',
                                  args.only)
