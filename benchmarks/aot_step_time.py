@@ -446,6 +446,10 @@ def main():
   reports, missing = projections(args.redo, not args.no_compile and args.part != 'calibration',
                                  args.only)
   if reports:
+    for date, versions in sorted({(r['compiled_on']['date'], ', '.join(
+        f'{k} {v}' for k, v in sorted(r['versions'].items()))) for r in reports}):
+      print(f'# projection cells compiled {date}: {versions}')
+    print()
     print('\n'.join(projection_table(reports, cal)))
     print()
     print('\n'.join(design_notes(reports)))
