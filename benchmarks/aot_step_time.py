@@ -436,7 +436,8 @@ def main():
   for date, versions in stamps:
     print(f'# calibration programs compiled {date}: {versions}')
   print('\n### Device constants (gnmr_jax/aot/device_specs.py; model rate = calibrated on the '
-        'H200, else datasheet x the H200\'s measured efficiency)\n')
+        'H200, else datasheet x the H200\'s measured efficiency: per class on a GPU, bf16\'s on '
+        'a TPU)\n')
   print('\n'.join(device_specs.table()))
   print(f"\nlaunch: {device_specs.SPECS['h200'].sources['launch_s']}; TPU: "
         f"{device_specs.SPECS['v6e'].sources['launch_s']}. f32: "

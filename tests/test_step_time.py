@@ -257,6 +257,12 @@ class DeviceSpecsTest(parameterized.TestCase):
     if spec.platform == 'gpu':
       self.assertIn('fp8', spec.datasheet)
 
+  def test_tpu_rates_keep_the_datasheet_ratios(self):
+    # the H200's per-class efficiencies are Hopper's: a TPU takes its bf16 one for every class
+    self.assertAlmostEqual(V6E.rate('int8') / V6E.rate('bf16'), 1836 / 918)
+    self.assertAlmostEqual(V6E.rate('bf16'), 918e12 * 614e12 / 989.4e12)
+    self.assertLess(H200.rate('int8') / H200.rate('bf16'), 1.5)  # measured: 855 / 614
+
   def test_only_the_h200_is_calibrated_and_b200_has_fp4(self):
     self.assertEqual(sorted(device_specs.SPECS['h200'].calibrated), ['bf16', 'fp8', 'int8'])
     self.assertIn('gpu-anchors.md', device_specs.SPECS['h200'].sources['calibrated'])

@@ -8,8 +8,9 @@ tensor core, one bf16 pass on a TPU MXU), 'fp8', 'int8', 'fp4' (NVFP4, block-sca
 The rates the model uses are `rate(cls)`: the H200's measured GEMM rates where they exist (the
 'calibrated' column: ../shared/reference/gpu-anchors.md, raw jitted GEMMs at 8192^3 and
 16384x4096x11008, the two shapes' mean), elsewhere the datasheet rate times the H200's measured
-fraction of its datasheet rate for that class (`H200_EFFICIENCY`, so every GPU and TPU figure
-carries the H200's GEMM efficiency: an assumption for any other chip, named in the output).
+fraction of its datasheet rate (`H200_EFFICIENCY`: for that class on a GPU, bf16's for every
+class on a TPU), so every other chip carries the H200's GEMM efficiency: an assumption, named in
+the output.
 Nothing here is fitted to a step time; the one fitted constant lives in step_time.py.
 
 Example:
@@ -82,14 +83,20 @@ class DeviceSpec:
       cls = 'bf16'
       if cls in self.calibrated:
         return self.calibrated[cls]
-    return self.datasheet[cls] * H200_EFFICIENCY[cls]
+    return self.datasheet[cls] * self.efficiency(cls)
+
+  def efficiency(self, cls: str) -> float:
+    """The fraction of the datasheet rate assumed reached: the H200's measured one for the
+    class on an NVIDIA GPU (the same libraries), its bf16 one for every class on a TPU (the
+    H200's low int8 / fp8 fractions are Hopper's, nothing says a TPU MXU shares them)."""
+    return H200_EFFICIENCY['bf16' if self.platform == 'tpu' else cls]
 
   def rate_source(self, cls: str) -> str:
     if cls in self.calibrated:
       return 'calibrated (measured on this chip)'
     if cls not in self.datasheet:
       return 'not native: bf16 rate'
-    return f'datasheet x H200 efficiency {H200_EFFICIENCY[cls]:.3f}'
+    return f'datasheet x H200 efficiency {self.efficiency(cls):.3f}'
 
 
 def _gpu(name, bf16, tf32, fp8, int8, bandwidth, link, source, fp4=None):
