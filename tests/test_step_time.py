@@ -153,6 +153,10 @@ ENTRY %main (a: s8[4194304]) -> s8[1048576] {
   ROOT %d = s8[1048576]{0} slice-done(%s)
 }'''
     self.assertEqual(_price(hlo, V6E).total_s, 0.0)
+    concat = hlo.replace('ROOT %d = s8[1048576]{0} slice-done(%s)', '%d = s8[1048576]{0} '
+                         'slice-done(%s)\n  ROOT %c = s8[1048576]{0} custom-call(%d), '
+                         'custom_call_target="ConcatBitcast"')
+    self.assertEqual(_price(concat, V6E).total_s, 0.0)  # a reinterpretation, no kernel
     on_gpu = _price(hlo, H200)  # not a TPU: a kernel like any other
     moved = 4194304 + (4194304 + 1048576 + 4)  # read, and the result tuple written
     self.assertAlmostEqual(on_gpu.total_s, moved / H200.memory_bandwidth + H200.launch_s,

@@ -371,6 +371,9 @@ _NO_KERNEL = frozenset((
     'call', 'after-all', 'partition-id', 'replica-id', 'opt-barrier', 'add-dependency',
     'copy-done', 'send-done', 'recv-done', 'async-done', 'async-update', 'iota'))
 _SLICING = frozenset(('dynamic-slice', 'slice', 'gather'))
+# Custom calls that only reinterpret buffers (TPU: the pieces of an asynchronous slice, side by
+# side in memory, read as one array).
+_NO_KERNEL_TARGETS = frozenset(('ConcatBitcast',))
 
 
 @dataclasses.dataclass
@@ -544,6 +547,9 @@ def kernels(inventory: Inventory) -> list[Kernel]:
           walk(callee, times, branch, in_loop, depth + 1)
         continue
       if opcode in _NO_KERNEL or opcode.endswith('-done'):
+        continue
+      target = _TARGET.search(instruction.attributes) if opcode == 'custom-call' else None
+      if target and target.group(1) in _NO_KERNEL_TARGETS:
         continue
       if opcode == 'fusion':
         read, written = _fused_traffic(inventory, instruction)
