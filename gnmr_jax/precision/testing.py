@@ -86,18 +86,23 @@ def register_cpu_scaled_matmul() -> None:
   with the emulation's. For tests and numerics studies only; idempotent.
 
   Raises:
-    RuntimeError: this jax has no ``scaled_matmul`` primitive where it is looked for.
+    RuntimeError: this jax's ``scaled_matmul`` binds no primitive of the expected name.
   """
   global _CPU_SCALED_MATMUL
   if _CPU_SCALED_MATMUL:
     return
-  try:  # pylint: disable=g-import-not-at-top
-    from jax._src.cudnn import scaled_matmul_stablehlo as sm
-    from jax._src.interpreters import mlir
-    primitive = sm._scaled_matmul_p  # pylint: disable=protected-access
-  except (ImportError, AttributeError) as e:
-    raise RuntimeError(f'jax {jax.__version__} has no scaled_matmul primitive in '
-                       'jax._src.cudnn.scaled_matmul_stablehlo') from e
+  from jax.interpreters import mlir  # pylint: disable=g-import-not-at-top
+
+  def operand(dtype, k):
+    return jax.ShapeDtypeStruct((1, 1, k), dtype)
+  # The primitive jax.nn.scaled_matmul binds, found in its jaxpr (it has no public name).
+  jaxpr = jax.make_jaxpr(jax.nn.scaled_matmul)(
+      operand(jnp.float8_e4m3fn, 32), operand(jnp.float8_e4m3fn, 32),
+      operand(jnp.float8_e8m0fnu, 1), operand(jnp.float8_e8m0fnu, 1))
+  primitive = _find_primitive(jaxpr.jaxpr, _SCALED_MATMUL_PRIMITIVE)
+  if primitive is None:
+    raise RuntimeError(f'jax {jax.__version__}: jax.nn.scaled_matmul binds no '
+                       f'{_SCALED_MATMUL_PRIMITIVE!r} primitive')
 
   def reference(a, b, a_scales, b_scales, *, preferred_element_type):
     def dequantized(codes, scales):  # [B, R, K] x [B, R, K / block]
@@ -107,9 +112,25 @@ def register_cpu_scaled_matmul() -> None:
                      precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     return [out.astype(preferred_element_type)]
 
+  # A platform's own rule takes precedence over the primitive's default (custom partitioning).
   mlir.register_lowering(primitive, mlir.lower_fun(reference, multiple_results=True),
                          platform='cpu')
   _CPU_SCALED_MATMUL = True
 
 
+def _find_primitive(jaxpr, name):
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == name:
+      return eqn.primitive
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        inner = getattr(sub, 'jaxpr', sub)
+        if hasattr(inner, 'eqns'):
+          found = _find_primitive(inner, name)
+          if found is not None:
+            return found
+  return None
+
+
+_SCALED_MATMUL_PRIMITIVE = 'scaled_matmul_wrapper'
 _CPU_SCALED_MATMUL = False
