@@ -226,6 +226,7 @@ class ClassifyTest(parameterized.TestCase):
       ({'flops': 0, 'dtypes': ['f32'], 'op_name': 'jit(train_step)/cond/mul'}, 'optimizer'),
       ({'flops': 0, 'dtypes': ['f32'], 'op_name': 'jit(train_step)/jvp()/reduce_max'}, 'other'),
       ({'flops': 0, 'dtypes': ['f32'], 'op_name': ''}, 'other'),
+      ({'flops': 0, 'dtypes': ['f32'], 'op_name': 'jit(f)/convert_element_type'}, 'other'),
       ({'flops': 0, 'dtypes': ['bf16'], 'op_name': 'x/layers/attn/v/jit(nvfp4_quantize)/mul'},
        'quantization'),
       ({'flops': 0, 'dtypes': ['bf16'], 'op_name': 'jit(step)/layers/attn/softmax'},

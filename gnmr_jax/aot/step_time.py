@@ -84,7 +84,8 @@ def category(kernel: dict) -> str:
   GEMMs by operand class (attention's own GEMMs under 'attention'); 'quantization': a kernel
   touching f8 / f4 / s8 / u8 data that is no GEMM, or one of an emulated path's quantizers
   (op named '...quantize...'); 'optimizer': the update and the controller
-  (ops named outside the forward 'jvp(...)' and backward 'transpose(jvp(...))' passes);
+  (ops of a train step named outside the forward 'jvp(...)' and backward 'transpose(jvp(...))'
+  passes);
   'other': everything else (norms, activations, the loss, buffer initialisation, copies).
   """
   if kernel['opcode'] == 'conditional':
@@ -100,7 +101,7 @@ def category(kernel: dict) -> str:
     return 'quantization'
   if _ATTENTION.search(op_name):
     return 'attention'
-  if _OPTIMIZER.search(op_name) or (op_name and not kernel.get('in_loop')
+  if _OPTIMIZER.search(op_name) or ('train_step' in op_name and not kernel.get('in_loop')
                                     and not _MODEL_PASS.search(op_name)):
     return 'optimizer'
   return 'other'
