@@ -59,10 +59,16 @@ def versions() -> str:
 
 
 def _sections(text: str) -> dict:
-  """'## title' -> the section's lines (title line included), in file order."""
-  out, current = {}, None
+  """'## title' -> the section's lines (title line included), in file order.
+
+  A '## ' line inside a section's fenced output is the script's, not a title (until
+  2026-12-07 such lines cut the saved-activation section short on every --only run).
+  """
+  out, current, fenced = {}, None, False
   for line in text.splitlines():
-    if line.startswith("## "):
+    if line.startswith("```"):
+      fenced = not fenced
+    elif line.startswith("## ") and not fenced:
       current = line[3:]
       out[current] = []
     if current is not None:
