@@ -3,7 +3,8 @@
 ``make_policy(config)`` builds a ``PrecisionPolicy`` whose ``dot`` runs each unit
 on the low-cost path, or (mode='gnmr') on ``lax.cond(recover, recovery, low_cost)``.
 Paths: 'bf16' (recovery/reference), 'int8', 'fp8', 'saved_activation', 'blockwise',
-'mxfp8', 'nvfp4' (block-scaled microscaling, emulated: microscaling.py);
+'mxfp8', 'nvfp4' (block-scaled microscaling: emulated, microscaling.py, or native
+on Blackwell GPUs, native_microscaling.py, per ``microscaling_impl``);
 add one with ``register_path(name, builder)``. Routed units whose recovery path
 keeps more than the low-cost path store it in a shared side buffer
 (``policy.init_side``/``dot_side``, ``side_buffer.attach``; side_buffer.py).
