@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import ml_collections
 from flax.core import meta
 
+from gnmr_jax import attention as attention_lib
 from gnmr_jax import sharding
 from gnmr_jax.model_configs import validate_model_config
 from gnmr_jax.precision import explicit_sharding, side_buffer
@@ -231,9 +232,14 @@ def _dtypes(config) -> tuple[Any, Any]:
 
 
 class Attention(nn.Module):
-  """Causal multi-head / grouped-query attention with rotary embeddings."""
+  """Causal multi-head / grouped-query attention with rotary embeddings.
+
+  The attention itself runs the kernel `config.attention` names (gnmr_jax/attention.py);
+  `interpret_kernels` runs a Pallas kernel in its interpreter (tests on a CPU).
+  """
   config: ml_collections.ConfigDict
   policy: Policy
+  interpret_kernels: bool = False
 
   @nn.compact
   def __call__(self, x_BxSxD: Array, rope: tuple[Array, Array], bits: dict,
@@ -265,18 +271,13 @@ class Attention(nn.Module):
     q_BxSxHxD = apply_rope(q_BxSxHxD, *rope)
     k_BxSxKxD = apply_rope(k_BxSxKxD, *rope)
 
-    # Query head h uses kv head h // group.
-    q_BxSxKxGxD = q_BxSxHxD.reshape(batch, seq_len, kv_heads, group, head_dim)
-    scores_BxKxGxSxT = jnp.einsum(
-        'bskgd,btkd->bkgst', q_BxSxKxGxD, k_BxSxKxD,
-        preferred_element_type=jnp.float32) * (head_dim ** -0.5)
-    causal_SxT = jnp.tril(jnp.ones((seq_len, seq_len), jnp.bool_))
-    scores_BxKxGxSxT = jnp.where(
-        causal_SxT, scores_BxKxGxSxT, jnp.finfo(jnp.float32).min)
-    probs_BxKxGxSxT = jax.nn.softmax(scores_BxKxGxSxT, axis=-1).astype(dtype)
-    out_BxSxKxGxD = jnp.einsum('bkgst,btkd->bskgd', probs_BxKxGxSxT, v_BxSxKxD)
+    impl = cfg.attention
+    if impl == 'auto':  # train_loop.build resolves it for its mesh; a bare model for jax's device
+      impl = attention_lib.resolve(impl, seq_len=seq_len, head_dim=head_dim, dtype=dtype)
+    out_BxSxHxD = attention_lib.attention(q_BxSxHxD, k_BxSxKxD, v_BxSxKxD, impl,
+                                          interpret=self.interpret_kernels)
     out_BxSxHD = sharding.constrain(
-        out_BxSxKxGxD.reshape(batch, seq_len, heads * head_dim),
+        out_BxSxHxD.reshape(batch, seq_len, heads * head_dim),
         ('batch', 'length', 'heads'))
     return proj('o', d_model, ('heads', 'embed'), out_std, out_BxSxHD, side)
 
@@ -311,6 +312,7 @@ class Block(nn.Module):
   """
   config: ml_collections.ConfigDict
   policy: Policy
+  interpret_kernels: bool = False
 
   @nn.compact
   def __call__(self, carry: tuple[Array, Any], bits: dict | None,
@@ -321,7 +323,8 @@ class Block(nn.Module):
     bits = bits or {'attn': {}, 'mlp': {}}
     residual_axes = ('batch', 'length', 'embed')
     h = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='attn_norm')(x_BxSxD)
-    out, side = Attention(cfg, self.policy, name='attn')(h, rope, bits['attn'], side)
+    out, side = Attention(cfg, self.policy, self.interpret_kernels, name='attn')(
+        h, rope, bits['attn'], side)
     x_BxSxD = sharding.constrain(x_BxSxD + out, residual_axes)
     h = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='mlp_norm')(x_BxSxD)
     out, side = Mlp(cfg, self.policy, name='mlp')(h, bits['mlp'], side)
@@ -335,6 +338,8 @@ class Transformer(nn.Module):
   Attributes:
     config: a model config (see gnmr_jax.model_configs.model_config).
     policy: precision policy with `.routed` and `.dot(x, kernel, recover=None)`.
+    interpret_kernels: run Pallas attention kernels in their interpreter (CPU tests of
+      `config.attention='splash'`).
 
   Example:
     Routed int8/bf16 projections driven by the controller's mask (one unit per
@@ -358,6 +363,7 @@ class Transformer(nn.Module):
   """
   config: ml_collections.ConfigDict
   policy: Policy
+  interpret_kernels: bool = False
 
   @nn.compact
   def __call__(self, tokens: Array, recovery_mask: Any = None) -> Array:
@@ -415,7 +421,7 @@ class Transformer(nn.Module):
         length=cfg.num_layers,
         unroll=cfg.scan_unroll if cfg.scan_layers else cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: 'layers'},
-    )(cfg, self.policy, name='layers')
+    )(cfg, self.policy, self.interpret_kernels, name='layers')
     (x_BxSxD, side), _ = blocks((x_BxSxD, side), bits, rope)
     if side is not None:
       # Recoveries that found the side buffer full ran the low-cost path: 0 whenever

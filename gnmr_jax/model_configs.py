@@ -27,6 +27,8 @@ REMAT_POLICY_NAMES = (
     'everything_saveable',
 )
 COMPUTE_DTYPES = ('bfloat16', 'float32')
+# Attention kernels accepted by `attention` (gnmr_jax/attention.py resolves 'auto' per device).
+ATTENTION_IMPLS = ('auto', 'xla', 'cudnn', 'splash')
 PARAM_DTYPES = ('float32',)
 
 # name: (vocab_size, d_model, num_layers, num_heads, ffn_dim, max_seq_len, dtype)
@@ -47,7 +49,7 @@ MODEL_NAMES = tuple(_SIZES)
 _FIELDS = (
     'name', 'vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads',
     'ffn_dim', 'max_seq_len', 'rope_theta', 'norm_eps', 'dtype', 'param_dtype',
-    'scan_layers', 'scan_unroll', 'remat', 'init_std',
+    'scan_layers', 'scan_unroll', 'remat', 'init_std', 'attention', 'loss_chunks',
 )
 
 
@@ -106,6 +108,14 @@ def model_config(name: str) -> ml_collections.ConfigDict:
   # Std of the normal init (embeddings, q/k/v/gate/up); o/down use
   # init_std / sqrt(2 * num_layers); the output head uses d_model ** -0.5.
   cfg.init_std = 0.02
+  # Attention kernel, one of ATTENTION_IMPLS: 'auto' resolves per device when the run is
+  # built (cuDNN flash attention on GPUs of compute capability >= 8.0, Pallas splash attention
+  # on TPU, 'xla' elsewhere); 'xla' is the reference (float32 scores, softmax, causal mask).
+  cfg.attention = 'auto'
+  # Chunks along the sequence of the fused head + cross-entropy (gnmr_jax/loss.py): the loss
+  # holds float32 logits of one chunk at a time, never of the whole [batch, seq, vocab].
+  # 1 = one chunk (the whole sequence's logits at once: fine for a byte vocabulary).
+  cfg.loss_chunks = 1 if vocab <= 4096 else 16
   validate_model_config(cfg)
   return cfg
 
@@ -143,7 +153,7 @@ def validate_model_config(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f'model config has unknown fields {unknown}; valid fields: {list(_FIELDS)}')
   for field in ('vocab_size', 'd_model', 'num_layers', 'num_heads',
-                'num_kv_heads', 'ffn_dim', 'max_seq_len', 'scan_unroll'):
+                'num_kv_heads', 'ffn_dim', 'max_seq_len', 'scan_unroll', 'loss_chunks'):
     _require_int(cfg, field)
   for field in ('rope_theta', 'norm_eps', 'init_std'):
     _require_positive_float(cfg, field)
@@ -164,6 +174,9 @@ def validate_model_config(cfg: ml_collections.ConfigDict) -> None:
   if cfg.param_dtype not in PARAM_DTYPES:
     raise ValueError(
         f'model.param_dtype must be one of {PARAM_DTYPES}, got {cfg.param_dtype!r}')
+  if cfg.attention not in ATTENTION_IMPLS:
+    raise ValueError(
+        f'model.attention must be one of {ATTENTION_IMPLS}, got {cfg.attention!r}')
   if not isinstance(cfg.scan_layers, bool):
     raise ValueError(f'model.scan_layers must be a bool, got {cfg.scan_layers!r}')
   if cfg.scan_unroll > cfg.num_layers:

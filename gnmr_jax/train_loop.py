@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from gnmr_jax import attention as attention_lib
 from gnmr_jax import checkpointing, metrics_log, sharding
 from gnmr_jax import faults as faults_lib
 from gnmr_jax.config import validate_config
@@ -105,6 +106,11 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
     data = data.for_config(config.data)
   model_config = ml_collections.ConfigDict(config.model.to_dict())
   model_config.vocab_size = -(-int(data.vocab_size) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+  # 'auto' attention resolved for the same device (cuDNN / splash / XLA), and recorded.
+  model_config.attention = attention_lib.resolve(
+      model_config.attention, device, seq_len=config.data.seq_len,
+      head_dim=model_config.d_model // model_config.num_heads, dtype=model_config.dtype)
+  config.model.attention = model_config.attention
   if policy.routed:
     model_config.scan_unroll = policy.scan_unroll(model_config.num_layers,
                                                   mesh.devices.flat[0].platform)

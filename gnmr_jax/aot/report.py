@@ -20,7 +20,8 @@ def format_report(report: dict) -> str:
       + f"; precision {precision['mode']} {precision['low_cost_path']}"
       + (f" / {precision['recovery_path']}" if precision['mode'] == 'gnmr' else '')
       + (f" (microscaling {precision['microscaling_impl']})"
-         if precision.get('microscaling_impl', 'auto') != 'auto' else ''),
+         if precision.get('microscaling_impl', 'auto') != 'auto' else '')
+      + (f"; attention {report['attention']}" if 'attention' in report else ''),
   ]
   for step, entry in report['steps'].items():
     if 'error' in entry:

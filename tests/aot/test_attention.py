@@ -1,0 +1,47 @@
+"""Attention compiled for each backend: cuDNN flash attention on GPUs that run it, Pallas splash
+on TPU, XLA where no kernel applies; no float32 score buffer where a kernel runs."""
+
+import re
+
+import pytest
+
+from aot_helpers import compiled
+
+# The tier config in bf16 with 4 query heads over 2 kv heads of 16 (grouped-query attention)
+# and a sequence of 384 = 3 x 128 (splash's block; a length no other dimension has).
+SEQ = 384
+SHAPE = dict(dtype='bfloat16', num_heads=4, num_kv_heads=2, max_seq_len=SEQ)
+KERNEL_CALLS = {'cudnn': ('__cudnn$fmhaSoftmax"', '__cudnn$fmhaSoftmaxBackward"'),
+                'splash': ('splash_mha_fwd', 'splash_mha_dq', 'splash_mha_dkv')}
+
+
+def _step(target):
+  _, report, inventory = compiled(target, 'static', 'bf16', batch=(2, SEQ),
+                                  **SHAPE)
+  return report, inventory
+
+
+def _f32_with_two_seq_axes(inventory) -> list:
+  """Instructions whose result is a float32 array with two axes of the sequence's length."""
+  found = []
+  for instruction in inventory.instructions.values():
+    for dims in re.findall(r'f32\[([\d,]+)\]', instruction.type):
+      if [int(d) for d in dims.split(',')].count(SEQ) >= 2:
+        found.append(f'{instruction.opcode} {instruction.type[:80]}')
+  return found
+
+
+# a100 is the lowest compute capability cuDNN flash attention takes (8.0), t4 (7.5) below it.
+@pytest.mark.parametrize('target,expect', [('h100', 'cudnn'), ('a100', 'cudnn'),
+                                           ('t4', 'xla'), ('v5e-1', 'splash')])
+def test_the_report_names_the_kernel_auto_resolved_to_and_the_program_runs_it(target, expect):
+  report, inventory = _step(target)
+  assert report['attention'] == expect
+  text = '\n'.join(f'{i.name} {i.attributes}' for i in inventory.instructions.values())
+  for impl, calls in KERNEL_CALLS.items():
+    for call in calls:
+      assert (call in text) == (impl == expect), (target, call)
+  if expect == 'xla':  # the reference keeps its float32 scores
+    assert _f32_with_two_seq_axes(inventory)
+  else:
+    assert not _f32_with_two_seq_axes(inventory), _f32_with_two_seq_axes(inventory)[:3]
