@@ -18,7 +18,7 @@ import ml_collections
 from gnmr_jax.data.config import default_data_config, validate_data_config
 from gnmr_jax.faults import default_faults_config, validate_faults_config
 from gnmr_jax.model import PROJECTIONS
-from gnmr_jax.model_configs import model_config, validate_model_config
+from gnmr_jax.model_configs import default_seq_len, model_config, validate_model_config
 from gnmr_jax.sharding import MESH_FIELDS, default_mesh_config, mesh_axis_types, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
 from gnmr_jax.control.config import PRIORITIES, check_priority_fields
@@ -137,7 +137,7 @@ def base_config(model: str = "tiny") -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.model = model_config(model)
   config.data = default_data_config()
-  config.data.seq_len = config.model.max_seq_len
+  config.data.seq_len = default_seq_len(model)
 
   config.train = ml_collections.ConfigDict()
   # Number of optimizer steps.

@@ -31,7 +31,8 @@ COMPUTE_DTYPES = ('bfloat16', 'float32')
 ATTENTION_IMPLS = ('auto', 'xla', 'cudnn', 'splash')
 PARAM_DTYPES = ('float32',)
 
-# name: (vocab_size, d_model, num_layers, num_heads, ffn_dim, max_seq_len, dtype)
+# name: (vocab_size, d_model, num_layers, num_heads, ffn_dim, train_seq_len, dtype); the paper
+# sizes train at 256 tokens (the literature above) and accept up to LLAMA_MAX_SEQ_LEN.
 _SIZES = {
     # Trains on 2 CPU cores: ~3.3M params, byte vocabulary, float32 compute.
     'tiny': (256, 256, 4, 4, 688, 256, 'float32'),
@@ -45,6 +46,17 @@ _SIZES = {
     '13b': (32000, 5120, 40, 40, 13824, 256, 'bfloat16'),
 }
 MODEL_NAMES = tuple(_SIZES)
+# LLaMA-2's context length: the longest sequence the paper sizes accept (RoPE has no table;
+# flash attention keeps the memory linear in it).
+LLAMA_MAX_SEQ_LEN = 4096
+_BYTE_SIZES = ('tiny', 'small')
+
+
+def default_seq_len(name: str) -> int:
+  """The sequence length size `name` trains at by default (base_config's data.seq_len)."""
+  if name not in _SIZES:
+    raise ValueError(f'Unknown model size {name!r}; valid names: {", ".join(MODEL_NAMES)}')
+  return _SIZES[name][5]
 
 _FIELDS = (
     'name', 'vocab_size', 'd_model', 'num_layers', 'num_heads', 'num_kv_heads',
@@ -84,8 +96,9 @@ def model_config(name: str) -> ml_collections.ConfigDict:
   cfg.num_kv_heads = heads
   # SwiGLU hidden width.
   cfg.ffn_dim = ffn
-  # Longest sequence the model accepts (RoPE has no table, so this is a guard).
-  cfg.max_seq_len = seq
+  # Longest sequence the model accepts (RoPE has no table, so this is a guard): the training
+  # length for the byte-vocabulary sizes, LLaMA-2's 4096 for the paper sizes.
+  cfg.max_seq_len = seq if name in _BYTE_SIZES else max(seq, LLAMA_MAX_SEQ_LEN)
   # RoPE base frequency (LLaMA-2: 10000).
   cfg.rope_theta = 10000.0
   # RMSNorm epsilon (GaLore configs: 1e-6).

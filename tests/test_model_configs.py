@@ -8,7 +8,7 @@ import pytest
 
 from gnmr_jax import model_configs
 from gnmr_jax.model import Transformer
-from gnmr_jax.model_configs import model_config, param_count, validate_model_config
+from gnmr_jax.model_configs import default_seq_len, model_config, param_count, validate_model_config
 
 
 class _Policy:
@@ -44,7 +44,10 @@ def test_paper_sizes(name):
   d_model, layers, heads, ffn, count = PAPER_SIZES[name]
   assert (cfg.d_model, cfg.num_layers, cfg.num_heads, cfg.ffn_dim) == (
       d_model, layers, heads, ffn)
-  assert (cfg.vocab_size, cfg.max_seq_len, cfg.num_kv_heads) == (32000, 256, heads)
+  # LLaMA-2's context accepted; the literature's 256 tokens trained by default.
+  assert (cfg.vocab_size, cfg.max_seq_len, cfg.num_kv_heads) == (32000, 4096, heads)
+  assert default_seq_len(name) == 256
+  assert (cfg.attention, cfg.loss_chunks) == ('auto', 16)
   assert param_count(cfg) == count
   assert _shape_param_count(cfg) == count
 
@@ -72,6 +75,8 @@ def test_unknown_name_lists_valid_names():
     (dict(remat='sometimes'), 'remat'),
     (dict(norm_eps=0.0), 'norm_eps'),
     (dict(vocab_size=-1), 'vocab_size'),
+    (dict(attention='flash'), 'attention'),
+    (dict(loss_chunks=0), 'loss_chunks'),
 ])
 def test_validation_names_the_field(overrides, field):
   cfg = model_config('tiny')
