@@ -112,8 +112,9 @@ def model_config(name: str) -> ml_collections.ConfigDict:
   # the param layout is the same either way.
   cfg.scan_layers = True
   # Layers per scan iteration: 1 = rolled loop, num_layers = fully unrolled
-  # (no while loop; per-unit lax.cond routing costs nothing there), k = groups.
-  cfg.scan_unroll = 1
+  # (no while loop; per-unit lax.cond routing costs nothing there), k = groups;
+  # -1 = per backend (static_scan_unroll; a routed step takes the precision policy's).
+  cfg.scan_unroll = -1
   # Rematerialise each block in the backward pass: one of REMAT_POLICY_NAMES
   # ('none'; 'full' saves nothing inside a block). validate_model_config also
   # accepts a bool (True = 'full') for configs built by hand.
@@ -166,8 +167,9 @@ def validate_model_config(cfg: ml_collections.ConfigDict) -> None:
     raise ValueError(
         f'model config has unknown fields {unknown}; valid fields: {list(_FIELDS)}')
   for field in ('vocab_size', 'd_model', 'num_layers', 'num_heads',
-                'num_kv_heads', 'ffn_dim', 'max_seq_len', 'scan_unroll', 'loss_chunks'):
+                'num_kv_heads', 'ffn_dim', 'max_seq_len', 'loss_chunks'):
     _require_int(cfg, field)
+  _require_int(cfg, 'scan_unroll', minimum=-1)
   for field in ('rope_theta', 'norm_eps', 'init_std'):
     _require_positive_float(cfg, field)
   if cfg.d_model % cfg.num_heads:
@@ -192,14 +194,43 @@ def validate_model_config(cfg: ml_collections.ConfigDict) -> None:
         f'model.attention must be one of {ATTENTION_IMPLS}, got {cfg.attention!r}')
   if not isinstance(cfg.scan_layers, bool):
     raise ValueError(f'model.scan_layers must be a bool, got {cfg.scan_layers!r}')
-  if cfg.scan_unroll > cfg.num_layers:
+  if cfg.scan_unroll > cfg.num_layers or cfg.scan_unroll == 0:
     raise ValueError(
-        f'model.scan_unroll={cfg.scan_unroll} must be in [1, num_layers='
+        f'model.scan_unroll={cfg.scan_unroll} must be -1 (per backend) or in [1, num_layers='
         f'{cfg.num_layers}] (1 = rolled, num_layers = fully unrolled)')
   if not isinstance(cfg.remat, bool) and cfg.remat not in REMAT_POLICY_NAMES:
     raise ValueError(
         f'model.remat must be a bool or one of {REMAT_POLICY_NAMES}, '
         f'got {cfg.remat!r}')
+
+
+# scan_unroll=-1 for a static step, per platform: a GPU runs the layers unrolled unless the
+# model rematerialises its blocks. A scanned GPU step without remat pays for its loop in memory
+# traffic that an unrolled one does not have (compiled for an H200, 60m: zero-filled stacked
+# outputs, residual stacks copied in and sliced out, layout transposes of whole stacks: 1.38x
+# the unrolled step's modelled time, BENCHMARKS.md); under full remat only the per-layer carry
+# is stacked and the scan costs 1-2% there for 8x less compile time. TPU and CPU stay rolled
+# (no measurement says otherwise; the TPU compile of an unrolled 1B step takes 2x as long).
+UNROLLED_STATIC_PLATFORMS = ('gpu', 'cuda', 'rocm')
+
+
+def static_scan_unroll(cfg: ml_collections.ConfigDict, platform: str) -> int:
+  """The layer scan's `unroll=` for a static (unrouted) step of `cfg` on `platform`.
+
+  `cfg.scan_unroll` itself unless it is -1 (per backend): then `num_layers` on a GPU when
+  `cfg.remat` is 'none' (or False), else 1.
+
+  Example:
+    >>> cfg = model_config('60m')
+    >>> static_scan_unroll(cfg, 'gpu'), static_scan_unroll(cfg, 'tpu')
+    (8, 1)
+    >>> static_scan_unroll(model_config('1b'), 'gpu')   # remat 'full': the scan stays
+    1
+  """
+  if cfg.scan_unroll != -1:
+    return cfg.scan_unroll
+  no_remat = cfg.remat in ('none', False)
+  return cfg.num_layers if platform in UNROLLED_STATIC_PLATFORMS and no_remat else 1
 
 
 def param_count(cfg: ml_collections.ConfigDict) -> int:

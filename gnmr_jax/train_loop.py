@@ -33,6 +33,7 @@ from gnmr_jax.control import units as units_lib
 from gnmr_jax.data import make_data
 from gnmr_jax.metrics_log import format_summary as format_summary  # public here too
 from gnmr_jax.model import Transformer
+from gnmr_jax.model_configs import static_scan_unroll
 from gnmr_jax.optim import learning_rate_schedule, make_optimizer
 from gnmr_jax.precision import make_policy, native_microscaling, recovery_policy
 from gnmr_jax.train_step import StepSpec as StepSpec
@@ -114,6 +115,9 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   if policy.routed:
     model_config.scan_unroll = policy.scan_unroll(model_config.num_layers,
                                                   mesh.devices.flat[0].platform)
+  else:  # the static step's layer layout per backend (model_configs.static_scan_unroll)
+    model_config.scan_unroll = static_scan_unroll(model_config, device.platform)
+  config.model.scan_unroll = model_config.scan_unroll
   sharding.check_model_fits_mesh(model_config, mesh, config.data.batch_size)
   model = Transformer(model_config, policy)
   tx = (make_tx or make_optimizer)(config)

@@ -8,7 +8,8 @@ import pytest
 
 from gnmr_jax import model_configs
 from gnmr_jax.model import Transformer
-from gnmr_jax.model_configs import default_seq_len, model_config, param_count, validate_model_config
+from gnmr_jax.model_configs import (default_seq_len, model_config, param_count,
+                                     static_scan_unroll, validate_model_config)
 
 
 class _Policy:
@@ -99,3 +100,16 @@ def test_validation_missing_and_unknown_fields():
 def test_every_named_config_validates():
   for name in model_configs.MODEL_NAMES:
     validate_model_config(model_config(name))
+
+
+@pytest.mark.parametrize('name, platform, expect', [
+    ('60m', 'gpu', 8), ('60m', 'cuda', 8), ('60m', 'tpu', 1), ('60m', 'cpu', 1),
+    ('1b', 'gpu', 1),   # remat 'full': the stacked carry only, the scan stays
+])
+def test_a_static_step_unrolls_its_layers_on_a_gpu_unless_it_rematerialises(
+    name, platform, expect):
+  cfg = model_config(name)
+  assert cfg.scan_unroll == -1
+  assert static_scan_unroll(cfg, platform) == expect
+  cfg.scan_unroll = 2  # a layout asked for is kept everywhere
+  assert static_scan_unroll(cfg, platform) == 2
