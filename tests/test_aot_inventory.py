@@ -188,3 +188,184 @@ ENTRY %main (a: f32[4,16,2,8], b: f32[4,16,2,8]) -> f32[4,2,8,8] {
 }'''
   (gemm,) = inventory.parse(hlo).gemms
   assert gemm.flops == 2 * (4 * 2 * 8 * 8) * 16
+
+
+# --- flash attention: cuDNN's fused attention and Pallas splash, from their custom calls -------
+# Grouped-query shapes: B=2 rows, S=T=512, H=8 query heads over K=2 key/value heads, D=64.
+B, S, H, K, D = 2, 512, 8, 2, 64
+
+
+def _cudnn_hlo(backward: bool, mask: str, scores: bool = True) -> str:
+  """A forward or backward cuDNN attention call as XLA prints it (backend_config trimmed)."""
+  config = ('{"cudnn_fmha_backend_config": {'
+            + (f'"intermediate_tensor_shape": {{"element_type": "BF16", "dimensions": '
+               f'["{B}", "{H}", "{S}", "{S}"], "tuple_shapes": []}}, ' if scores else '')
+            + f'"is_flash_attention": true, "mask_type": "{mask}"}}}}')
+  q, kv = f'bf16[{B},{S},{H},{D}]', f'bf16[{B},{S},{K},{D}]'
+  if backward:
+    call = (f'%att = ({q}{{3,2,1,0}}, {kv}{{3,2,1,0}}, {kv}{{3,2,1,0}}, u8[0]{{0}}) '
+            f'custom-call(%q, %k, %v, %lse, %do, %o), '
+            'custom_call_target="__cudnn$fmhaSoftmaxBackward", '
+            'metadata={op_name="jit(f)/transpose(jvp())/dot_product_attention_bwd"}')
+  else:
+    call = (f'%att = ({q}{{3,2,1,0}}, f32[{B},{H},{S}]{{2,1,0}}, u8[0]{{0}}) '
+            'custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", '
+            'metadata={op_name="jit(f)/jvp()/dot_product_attention_fwd"}')
+  return f'''HloModule m
+ENTRY %main (q: {q}, k: {kv}, v: {kv}, lse: f32[{B},{H},{S}], do: {q}, o: {q}) -> {q} {{
+  %q = {q}{{3,2,1,0}} parameter(0)
+  %k = {kv}{{3,2,1,0}} parameter(1)
+  %v = {kv}{{3,2,1,0}} parameter(2)
+  %lse = f32[{B},{H},{S}]{{2,1,0}} parameter(3)
+  %do = {q}{{3,2,1,0}} parameter(4)
+  %o = {q}{{3,2,1,0}} parameter(5)
+  {call}, backend_config={config}
+  ROOT %r = {q}{{3,2,1,0}} get-tuple-element(%att), index=0
+}}'''
+
+
+@pytest.mark.parametrize('backward,gemms', [(False, 4), (True, 10)])
+@pytest.mark.parametrize('mask,causal', [('CAUSAL', True), ('NO_MASK', False)])
+@pytest.mark.parametrize('scores', [True, False])   # without the scores' shape: q, k's
+def test_cudnn_attention_flops(backward, gemms, mask, causal, scores):
+  # forward: QK^T and PV; backward: QK^T again, dV, dP, dQ, dK; every one 2 * B*H*S*T*D
+  (call,) = inventory.parse(_cudnn_hlo(backward, mask, scores)).attention
+  full = gemms * B * H * S * S * D
+  assert call.flops == (full // 2 if causal else full)
+  assert (call.kind.kernel, call.kind.phase, call.causal) == (
+      'cudnn', 'bwd' if backward else 'fwd', causal)
+  assert (call.batch_heads, call.seq_q, call.seq_kv, call.head_dim) == (B * H, S, S, D)
+
+
+def test_cudnn_attention_is_a_kernel_with_its_flops_and_traffic():
+  inv = inventory.parse(_cudnn_hlo(False, 'CAUSAL'))
+  (kernel,) = [k for k in inventory.kernels(inv) if k.attention]
+  assert (kernel.attention, kernel.seq_kv) == ('cudnn fwd', S)
+  assert kernel.flops == 4 * B * H * S * S * D // 2                        # causal
+  assert kernel.bytes_read == 2 * (B * S * H * D + 2 * B * S * K * D)      # q, k, v
+  assert kernel.bytes_written == 2 * B * H * S * D + 4 * B * H * S         # o and its lse
+  assert inv.gemms == []                                                   # no GEMM of a class
+
+
+_SPLASH_RESULTS = {
+    'fwd_residuals': f'(f32[{B},128,128]{{2,1,0}}, bf16[{B},{H},{S},{D}]{{3,2,1,0}}, '
+                     f'f32[{B},{H},{S},128]{{3,2,1,0}})',
+    'dq_no_residuals': f'(f32[{B},128,128]{{2,1,0}}, bf16[{B},{H},{S},{D}]{{3,2,1,0}})',
+    'dkv_no_residuals': f'(f32[{B},128,{D}]{{2,1,0}}, f32[{B},128,{D}]{{2,1,0}}, '
+                        f'bf16[{B},{K},{S},{D}]{{3,2,1,0}}, bf16[{B},{K},{S},{D}]{{3,2,1,0}})',
+    # the fused backward: dQ unreduced over the key blocks, [B, T / block, H, S, D], beside dK, dV
+    'fused': f'(f32[{B},128,{D}]{{2,1,0}}, f32[{B},128,{D}]{{2,1,0}}, '
+             f'bf16[{B},4,{H},{S},{D}]{{4,3,2,1,0}}, bf16[{B},{K},{S},{D}]{{3,2,1,0}}, '
+             f'bf16[{B},{K},{S},{D}]{{3,2,1,0}})',
+}
+
+
+def _splash_hlo(kernel: str, causal: bool) -> str:
+  """A splash kernel as XLA:TPU prints it: its name and op_name after a multi-line attribute.
+
+  A causal mask (a computable one) reads the q_sequence iota; a full mask does not.
+  """
+  name = 'dkv_no_residuals' if kernel == 'fused' else kernel
+  operands = '%data_next, %block_mask, %q, %k, %v'
+  if kernel != 'fwd_residuals':
+    operands += ', %lse, %do, %di'
+  if causal:
+    operands += ', %kv_sequence' if name == 'dkv_no_residuals' else ', %q_sequence'
+  q, kv = f'bf16[{B},{H},{S},{D}]', f'bf16[{B},{K},{S},{D}]'
+  return f'''HloModule m
+ENTRY %main (q: {q}, k: {kv}, v: {kv}, lse: f32[{B},{H},1,{S}], do: {q}, di: f32[{B},{H},1,{S}]) -> {q} {{
+  %data_next = s8[1,4,4]{{2,1,0}} constant({{...}})
+  %block_mask = s8[1,4,4]{{2,1,0}} constant({{...}})
+  %q = {q}{{3,2,1,0}} parameter(0)
+  %k = {kv}{{3,2,1,0}} parameter(1)
+  %v = {kv}{{3,2,1,0}} parameter(2)
+  %lse = f32[{B},{H},1,{S}]{{3,2,1,0}} parameter(3)
+  %do = {q}{{3,2,1,0}} parameter(4)
+  %di = f32[{B},{H},1,{S}]{{3,2,1,0}} parameter(5)
+  %q_sequence = s32[{S},128]{{1,0}} iota(), iota_dimension=0
+  %kv_sequence = s32[8,{S}]{{1,0}} iota(), iota_dimension=1
+  %call.7 = {_SPLASH_RESULTS[kernel]} custom-call({operands}), custom_call_target="tpu_custom_call", frontend_attributes={{kernel_metadata={{
+"xprof_metadata":"{{\\"block_q\\": 128, \\"q_layout\\": 1, \\"k_layout\\": 1, \\"v_layout\\": 1}}"
+}}}}, metadata={{op_name="jit(f)/vmap(static_sparsity_splash)/jit(_splash_attention)/splash_mha_{name}/pallas_call"}}, backend_config={{"custom_call_config":{{"body":"TUzvUg=="}}}}
+  ROOT %r = {q}{{3,2,1,0}} get-tuple-element(%call.7), index=1
+}}'''
+
+
+@pytest.mark.parametrize('kernel,phase,gemms', [
+    ('fwd_residuals', 'fwd', 4),   # QK^T, PV
+    ('dq_no_residuals', 'dq', 6),  # QK^T, dP, dQ (splash_attention_kernel.py: dq kernel)
+    ('dkv_no_residuals', 'dkv', 8),  # QK^T, dV, dP, dK
+    ('fused', 'bwd', 10)])          # dkv with dQ fused in
+@pytest.mark.parametrize('causal', [True, False])
+def test_splash_attention_flops(kernel, phase, gemms, causal):
+  inv = inventory.parse(_splash_hlo(kernel, causal))
+  (call,) = inv.attention
+  full = gemms * B * H * S * S * D   # H query heads: K = 2 kv heads read, 8 multiplied
+  assert call.flops == (full // 2 if causal else full)
+  assert (call.kind.kernel, call.kind.phase, call.causal) == ('splash', phase, causal)
+  assert (call.batch_heads, call.seq_q, call.seq_kv, call.head_dim, call.head_dim_v) == (
+      B * H, S, S, D, D)
+  assert call.op_name.endswith('/pallas_call')   # read from the line after the metadata string
+  assert inv.attention_flops(forward_only=True) == (call.flops if phase == 'fwd' else 0)
+
+
+def test_an_instruction_printed_over_several_lines_is_one_instruction():
+  inv = inventory.parse(_splash_hlo('fwd_residuals', True))
+  call = inv.instructions['call.7']
+  assert call.operands == ['data_next', 'block_mask', 'q', 'k', 'v', 'q_sequence']
+  assert 'backend_config' in call.attributes and 'r' in inv.instructions
+  (kernel,) = [k for k in inventory.kernels(inv) if k.attention]
+  assert kernel.op_name.endswith('splash_mha_fwd_residuals/pallas_call')
+
+
+def test_attention_in_a_loop_counts_every_trip():
+  # the splash call above inside a 3-trip while loop (a scan over layers)
+  q, kv = f'bf16[{B},{H},{S},{D}]', f'bf16[{B},{K},{S},{D}]'
+  call = _splash_hlo('fwd_residuals', True).split('  %call.7 = ', 1)[1].split('\n  ROOT', 1)[0]
+  hlo = f'''HloModule m
+%body (p: (s32[], {q}, {kv})) -> (s32[], {q}, {kv}) {{
+  %p = (s32[], {q}, {kv}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %q = {q}{{3,2,1,0}} get-tuple-element(%p), index=1
+  %k = {kv}{{3,2,1,0}} get-tuple-element(%p), index=2
+  %v = {kv}{{3,2,1,0}} copy(%k)
+  %data_next = s8[1,4,4]{{2,1,0}} constant({{...}})
+  %block_mask = s8[1,4,4]{{2,1,0}} constant({{...}})
+  %q_sequence = s32[{S},128]{{1,0}} iota(), iota_dimension=0
+  %call.7 = {call}
+  %o = {q}{{3,2,1,0}} get-tuple-element(%call.7), index=1
+  ROOT %t = (s32[], {q}, {kv}) tuple(%i, %o, %k)
+}}
+%cond (c: (s32[], {q}, {kv})) -> pred[] {{
+  %c = (s32[], {q}, {kv}) parameter(0)
+  %j = s32[] get-tuple-element(%c), index=0
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %three), direction=LT
+}}
+ENTRY %main (x: (s32[], {q}, {kv})) -> (s32[], {q}, {kv}) {{
+  %x = (s32[], {q}, {kv}) parameter(0)
+  ROOT %w = (s32[], {q}, {kv}) while(%x), condition=%cond, body=%body
+}}'''
+  inv = inventory.parse(hlo)
+  (call,) = inv.attention
+  assert call.executions == 3 and call.flops == 4 * B * H * S * S * D // 2
+  assert inv.attention_flops() == 3 * call.flops
+
+
+@pytest.mark.parametrize('kernel,phase,gemms', [('fwd_residuals', 'fwd', 4),
+                                                ('dq_no_residuals', 'dq', 6),
+                                                ('dkv_no_residuals', 'dkv', 8)])
+def test_a_causal_splash_kernel_is_priced_at_the_blocks_it_computes(kernel, phase, gemms):
+  """Splash skips the blocks above the diagonal and computes the others whole: with n blocks
+  a side, n (n + 1) / 2 of n^2 (not half), read from the kernel's block sizes."""
+  block = 32
+  fields = ', '.join(f'\\"{name}\\": {block}' for name in (
+      'block_q', 'block_kv', 'block_kv_compute', 'block_q_dkv', 'block_kv_dkv',
+      'block_kv_dkv_compute', 'block_q_dq', 'block_kv_dq'))
+  hlo = _splash_hlo(kernel, True).replace('\\"block_q\\": 128', fields)
+  (call,) = inventory.parse(hlo).attention
+  n = S // block
+  assert n > 1
+  full = gemms * B * H * S * S * D
+  assert call.flops == int(full * (n * (n + 1) / 2) / n ** 2)
+  assert inventory.causal_block_share(S, S, S, S) == 1.0   # one block: the whole square

@@ -63,7 +63,9 @@ def test_explicit_kernels_resolve_to_themselves_where_they_run():
   assert attention.resolve('cudnn', H100, seq_len=256, head_dim=64, dtype='bfloat16') == 'cudnn'
   assert attention.resolve('splash', V5E, seq_len=512, head_dim=64, dtype='bfloat16') == 'splash'
   assert attention.resolve('xla', V5E, seq_len=7, head_dim=6, dtype='float32') == 'xla'
-  assert attention.splash_block(2048) == 512 and attention.splash_block(384) == 128
+  # at least 4 blocks a side where the length allows (a causal kernel computes (n + 1) / 2n)
+  assert [attention.splash_block(n) for n in (128, 256, 384, 1024, 2048, 4096)] == [
+      128, 128, 128, 256, 512, 512]
 
 
 def qkv(batch=2, seq_len=128, heads=4, kv_heads=2, head_dim=32, dtype=jnp.float32, seed=0):

@@ -6,12 +6,16 @@ of the model's walk; the device table is checked for structure and sources.
 """
 
 import math
+import os
+import sys
 
 from absl.testing import absltest
 from absl.testing import parameterized
 
+from gnmr_jax.aot import compile as compile_lib
 from gnmr_jax.aot import device_specs
 from gnmr_jax.aot import inventory
+from gnmr_jax.aot import report
 from gnmr_jax.aot import step_time
 
 H200 = device_specs.get_spec('h200')
@@ -278,6 +282,193 @@ class DeviceSpecsTest(parameterized.TestCase):
     with self.assertRaisesRegex(ValueError, 'no device spec.*h200'):
       device_specs.get_spec('a100')
     self.assertEqual(len(device_specs.table()), 2 + len(device_specs.SPECS))
+
+
+# --- flash attention: priced at the published kernel efficiency, in 'attention' ------------------
+H100 = device_specs.get_spec('h100')
+V5E = device_specs.get_spec('v5e-1')
+# B=2 rows, S=T=512, H=8 query heads over K=2 key/value heads, head dim 64; causal.
+_B, _S, _H, _K, _D = 2, 512, 8, 2, 64
+_Q, _KV = f'bf16[{_B},{_S},{_H},{_D}]', f'bf16[{_B},{_S},{_K},{_D}]'
+CUDNN_FWD_HLO = f'''HloModule m
+ENTRY %main (q: {_Q}, k: {_KV}, v: {_KV}) -> {_Q} {{
+  %q = {_Q}{{3,2,1,0}} parameter(0)
+  %k = {_KV}{{3,2,1,0}} parameter(1)
+  %v = {_KV}{{3,2,1,0}} parameter(2)
+  %att = ({_Q}{{3,2,1,0}}, f32[{_B},{_H},{_S}]{{2,1,0}}, u8[0]{{0}}) custom-call(%q, %k, %v), custom_call_target="__cudnn$fmhaSoftmax", metadata={{op_name="jit(step)/jvp()/dot_product_attention_fwd"}}, backend_config={{"cudnn_fmha_backend_config": {{"intermediate_tensor_shape": {{"element_type": "BF16", "dimensions": ["{_B}", "{_H}", "{_S}", "{_S}"]}}, "mask_type": "CAUSAL"}}}}
+  ROOT %o = {_Q}{{3,2,1,0}} get-tuple-element(%att), index=0
+}}'''
+_CUDNN_FLOPS = 4 * _B * _H * _S * _S * _D // 2
+_CUDNN_BYTES = (2 * (_B * _S * _H * _D + 2 * _B * _S * _K * _D)    # q, k, v read
+                + 2 * _B * _S * _H * _D + 4 * _B * _H * _S)       # o and its lse written
+# The same attention as a TPU splash dkv kernel ([B, heads, S, D] operands; 8x the GEMM work).
+_QT, _KVT = f'bf16[{_B},{_H},{_S},{_D}]', f'bf16[{_B},{_K},{_S},{_D}]'
+SPLASH_DKV_HLO = f'''HloModule m
+ENTRY %main (q: {_QT}, k: {_KVT}, v: {_KVT}, lse: f32[{_B},{_H},8,{_S}], do: {_QT}) -> {_KVT} {{
+  %q = {_QT}{{3,2,1,0}} parameter(0)
+  %k = {_KVT}{{3,2,1,0}} parameter(1)
+  %v = {_KVT}{{3,2,1,0}} parameter(2)
+  %lse = f32[{_B},{_H},8,{_S}]{{3,2,1,0}} parameter(3)
+  %do = {_QT}{{3,2,1,0}} parameter(4)
+  %iota = s32[8,{_S}]{{1,0}} iota(), iota_dimension=1
+  %dkv = (bf16[{_B},{_K},{_S},{_D}]{{3,2,1,0}}, bf16[{_B},{_K},{_S},{_D}]{{3,2,1,0}}) custom-call(%q, %k, %v, %lse, %do, %lse, %iota), custom_call_target="tpu_custom_call", metadata={{op_name="jit(step)/transpose(jvp())/splash_mha_dkv_no_residuals/pallas_call"}}
+  ROOT %dk = {_KVT}{{3,2,1,0}} get-tuple-element(%dkv), index=0
+}}'''
+
+
+class AttentionPricingTest(parameterized.TestCase):
+
+  def test_cudnn_attention_is_priced_at_the_published_rate(self):
+    got = _price(CUDNN_FWD_HLO, H100)
+    # FA3 paper Fig. 5(d): cuDNN causal forward, head dim 128, S = 512: 315 TFLOP/s
+    expected = max(_CUDNN_FLOPS / 315e12, _CUDNN_BYTES / H100.memory_bandwidth) + H100.launch_s
+    self.assertAlmostEqual(got.total_s, expected, delta=1e-12)
+    self.assertAlmostEqual(got.by_category['attention'], expected - H100.launch_s, delta=1e-12)
+    self.assertEqual(got.attention_flops, _CUDNN_FLOPS)
+    self.assertEqual(got.flops_by_class, {})   # no GEMM of a class: not at the GEMM rate
+    self.assertGreaterEqual(got.by_category['attention'], _CUDNN_FLOPS / H100.datasheet['bf16'])
+
+  @parameterized.parameters('v5e-1', 'v5p-8', 'v6e-4')
+  def test_splash_attention_is_priced_on_every_tpu(self, target):
+    spec = device_specs.get_spec(target)
+    got = _price(SPLASH_DKV_HLO, spec)
+    flops = 8 * _B * _H * _S * _S * _D // 2   # QK^T, dV, dP, dK; causal (the iota)
+    self.assertEqual(got.attention_flops, flops)
+    self.assertTrue(math.isfinite(got.total_s) and got.total_s > 0)
+    self.assertEqual(got.total_s, got.by_category['attention'])   # no launch cost on a TPU
+    self.assertGreaterEqual(got.total_s, flops / spec.datasheet['bf16'])
+    self.assertAlmostEqual(got.total_s, max(
+        flops / spec.attention_rate('splash', True, _S),
+        (3 * 2 * _B * _H * _S * _D + 2 * 2 * _B * _K * _S * _D + 2 * 4 * _B * _H * 8 * _S
+         + 4 * 8 * _S) / spec.memory_bandwidth), delta=1e-12)
+
+  def test_a_kernel_without_an_efficiency_for_the_device_is_an_error(self):
+    with self.assertRaisesRegex(ValueError, "no attention efficiency for kernel 'cudnn' on 'v5e'"):
+      _price(CUDNN_FWD_HLO, V5E)
+
+
+class AttentionEfficiencyTest(parameterized.TestCase):
+
+  @parameterized.parameters(*device_specs.SPECS)
+  def test_every_device_has_a_sourced_efficiency_for_its_kernel(self, name):
+    spec = device_specs.SPECS[name]
+    entry = device_specs.attention_efficiency(name, 'cudnn' if spec.platform == 'gpu'
+                                              else 'splash')
+    for values in (entry.forward, entry.backward):
+      self.assertLen(values, len(entry.seq_lens))
+      self.assertTrue(all(0.1 < v < 0.8 for v in values), values)   # never 1.0, never free
+    self.assertIn('https://', entry.source)
+    published = {'h100': 'arxiv.org/abs/2407.08608', 'v5p': 'marin-community/marin/pull/6330'}
+    if name in published:
+      self.assertIn(published[name], entry.source)
+    else:
+      self.assertTrue(entry.source.startswith('assumed:'), entry.source)
+
+  def test_efficiency_interpolates_in_log_length_and_holds_its_ends(self):
+    entry = device_specs.attention_efficiency('h100', 'cudnn')
+    peak = H100.datasheet['bf16']
+    self.assertAlmostEqual(entry.at(False, 512) * peak, 315e12, delta=1e3)
+    self.assertAlmostEqual(entry.at(True, 16384) * peak, 516e12, delta=1e3)
+    self.assertAlmostEqual(entry.at(False, 724) * peak, (315e12 + 410e12) / 2, delta=0.2e12)
+    self.assertEqual(entry.at(False, 128), entry.at(False, 512))       # shorter: the shortest's
+    self.assertEqual(entry.at(True, 65536), entry.at(True, 16384))
+    self.assertAlmostEqual(H100.attention_rate('cudnn', False, 2048), 484e12, delta=1e3)
+
+  def test_splash_v5p_reads_its_published_forward_figure(self):
+    # marin PR 6330: 8192 tokens, 8 heads, head dim 128, causal: 0.778 ms
+    v5p = device_specs.get_spec('v5p-8')
+    flops = 4 * 8 * 8192 ** 2 * 128 / 2
+    self.assertAlmostEqual(flops / v5p.attention_rate('splash', False, 8192), 0.778e-3,
+                           delta=1e-9)
+    self.assertLen(device_specs.attention_table(), 2 + len(device_specs.ATTENTION_EFFICIENCY))
+
+
+class ProjectionTest(parameterized.TestCase):
+
+  def test_calibration_errors_are_the_benchmarks(self):
+    # the tool's copy of BENCHMARKS.md's calibration, recomputed from the calibration JSONs
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = os.path.join(root, 'benchmarks', 'results', 'step_time')
+    if not any(n.startswith('calibration__') for n in os.listdir(results)):
+      self.skipTest('no calibration JSONs')
+    sys.path.insert(0, os.path.join(root, 'benchmarks'))
+    try:
+      import aot_step_time  # pylint: disable=g-import-not-at-top
+    finally:
+      sys.path.pop(0)
+    # pylint: disable-next=protected-access
+    cal = aot_step_time.calibrate(aot_step_time._load_calibration())
+    bf16 = cal['rows']['stack_bf16_static']
+    computed = {'bf16 step': bf16['roofline_ms'] / bf16['measured_ms'] - 1}
+    for key, (label, _, _) in zip(('fp8 / bf16', 'int8 / bf16', 'routed / static'),
+                                  aot_step_time.GOAL_RATIOS):
+      computed[key] = cal['ratio_error'][label]
+    for key, value in step_time.CALIBRATION_ERRORS.items():
+      self.assertAlmostEqual(value, computed[key], delta=0.0005, msg=key)
+
+  @parameterized.parameters(
+      ('gpu', 'bf16', 'static', 'bf16 step -8.1%'), ('gpu', 'fp8', 'static', 'fp8 / bf16 -9.8%'),
+      ('gpu', 'int8', 'gnmr', 'int8 / bf16 +10.0%; routed / static -6.5%'),
+      ('gpu', 'nvfp4', 'static', 'no anchor'), ('tpu', 'bf16', 'static', 'no anchor (TPU)'))
+  def test_calibration_label(self, platform, path, mode, expected):
+    self.assertEqual(step_time.calibration_error(platform, path, mode), expected)
+
+  def test_projection_of_a_step(self):
+    kernels = step_time.summarize(inventory.parse(CUDNN_FWD_HLO))
+    tokens, model_flops = 4096.0, 3e12
+    got = step_time.project(kernels, H100, tokens=tokens, model_flops=model_flops, path='bf16',
+                            mode='static')
+    step_s = step_time.price(kernels, H100).total_s
+    self.assertAlmostEqual(got['step_s'], step_s, delta=1e-15)
+    self.assertAlmostEqual(got['tokens_per_s'], tokens / step_s)
+    self.assertAlmostEqual(got['mfu'], model_flops / step_s / 989.4e12)
+    self.assertAlmostEqual(sum(got['shares'].values()), 1.0)
+    self.assertEqual(set(got['shares']), {'attention', 'launch'})
+    self.assertEqual(got['attention_kernel_flops'], _CUDNN_FLOPS)
+    self.assertEqual(got['calibration'], 'bf16 step -8.1%')
+    self.assertIn('no measurement in this project', got['attention_anchor'])
+
+  def test_model_flops_per_token(self):
+    # 6 N + 12 L H D S / 2 (PaLM's count, causal): N = 1e6, 2 layers, 4 heads of 32, S = 256
+    self.assertEqual(step_time.model_flops_per_token(10 ** 6, 2, 4, 32, 256),
+                     6e6 + 12 * 2 * 4 * 32 * 256 / 2)
+
+  def test_report_formats_the_projection(self):
+    kernels = step_time.summarize(inventory.parse(CUDNN_FWD_HLO))
+    projection = step_time.project(kernels, H100, tokens=4096.0, model_flops=3e12, path='fp8',
+                                   mode='gnmr')
+    step_s = projection['step_s']
+    lines = report.format_step_time(projection)
+    self.assertEqual(lines[0], f'  step time on paper (h100 roofline, per device): '
+                     f'{step_s * 1e3:.2f} ms, {4096 / step_s:,.0f} tokens/s, MFU '
+                     f'{100 * 3e12 / step_s / 989.4e12:.1f}% (model FLOPs 6N + causal attention '
+                     '3 TFLOP per step, against the datasheet bf16 rate)')
+    shares = projection['shares']   # 2 us launch, 1.7 us at 315 TFLOP/s: launch first
+    self.assertEqual(lines[1], f"    where the time goes: launch {100 * shares['launch']:.0f}%, "
+                     f"attention {100 * shares['attention']:.0f}%")
+    self.assertEqual(lines[2], '    calibration: fp8 / bf16 -9.8%; routed / static -6.5% (H200 '
+                     'anchors, BENCHMARKS.md "Step time on paper"); routed: priced with nothing '
+                     'recovered')
+    self.assertIn('anchor none', lines[3])
+    unpriced = report.format_step_time({'error': "no device spec for target 't4'"})
+    self.assertEqual(unpriced, ["  step time on paper: not priced (no device spec for target "
+                                "'t4')"])
+    # a report with a train step's projection prints it after the step's collectives
+    entry = {'memory': dict.fromkeys(('peak_bytes', 'argument', 'temp', 'output', 'alias',
+                                      'generated_code'), 0), 'fits': True, 'margin_bytes': 0,
+             'compile_s': 1.0, 'lower_s': 0.5, 'gemm_flops': {}, 'gemms': {}, 'loops': {},
+             'conditionals': 0, 'collectives': {}, 'step_time': projection}
+    text = report.format_report({
+        'target': 'h100', 'description': 'H100', 'num_devices': 1, 'num_hosts': 1,
+        'device_memory_bytes': 80e9, 'model': 'tiny', 'batch_size': 4, 'seq_len': 512,
+        'mesh': {'data': 1}, 'precision': {'mode': 'gnmr', 'low_cost_path': 'fp8',
+                                           'recovery_path': 'bf16'},
+        'steps': {'train': entry}, 'versions': {}})
+    self.assertIn('\n'.join(lines), text)
+
+  def test_a_target_without_a_device_spec_is_reported_not_priced(self):
+    got = compile_lib.project_step_time('', {'target': 't4'}, None)
+    self.assertRegex(got['error'], r"no device spec for target 't4'; specs: \[")
 
 
 if __name__ == '__main__':

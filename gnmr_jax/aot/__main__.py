@@ -7,6 +7,10 @@ Prints per step: memory per device and whether it fits, compile seconds, GEMMs b
 result dtype, conditionals, loops and collectives. Exit 0 when every step fits, 3 when one does
 not (the report says which, and --fit_batch finds the largest batch that fits), 2 on bad input
 or a missing install.
+
+--step_time adds the train step's price on paper (gnmr_jax.aot.step_time: step seconds, tokens/s
+and MFU per device, where the time goes, the calibration it rests on); a model output, so it is
+asked for rather than printed beside what the compiler reports.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ _JSON = flags.DEFINE_string('json', None, 'Also write the report here as JSON.')
 _FIT_BATCH = flags.DEFINE_bool(
     'fit_batch', False, 'When the config\'s batch does not fit, halve it until it does and '
     'report the largest batch that fits.')
+_STEP_TIME = flags.DEFINE_bool(
+    'step_time', False, 'Also price the train step with the roofline step-time model: '
+    'seconds, tokens/s and MFU per device, where the time goes, the calibration it rests on '
+    '(a target without a device spec says so).')
 flags.mark_flags_as_required(['config', 'target'])
 
 USER_ERRORS = (ValueError, TypeError, KeyError, AttributeError, FileNotFoundError,
@@ -39,16 +47,17 @@ USER_ERRORS = (ValueError, TypeError, KeyError, AttributeError, FileNotFoundErro
 EXIT_DOES_NOT_FIT = 3
 
 
-def compile_fitting(config, target: str, steps, fit_batch: bool) -> dict:
+def compile_fitting(config, target: str, steps, fit_batch: bool,
+                    step_time: bool = False) -> dict:
   """compile_config, then (with fit_batch) halving the batch while a step does not fit."""
-  report = compile_lib.compile_config(config, target, steps)
+  report = compile_lib.compile_config(config, target, steps, step_time=step_time)
   if not fit_batch or compile_lib.fits(report):
     return report
   first, config = report, config.copy_and_resolve_references()
   while not compile_lib.fits(report) and config.data.batch_size % 2 == 0:
     config.data.batch_size //= 2
     try:
-      report = compile_lib.compile_config(config, target, steps)
+      report = compile_lib.compile_config(config, target, steps, step_time=step_time)
     except ValueError:  # the batch no longer divides over the mesh
       break
   first['largest_fitting_batch'] = (config.data.batch_size if compile_lib.fits(report)
@@ -61,7 +70,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   try:
-    report = compile_fitting(_CONFIG.value, _TARGET.value, _STEPS.value, _FIT_BATCH.value)
+    report = compile_fitting(_CONFIG.value, _TARGET.value, _STEPS.value, _FIT_BATCH.value,
+                             _STEP_TIME.value)
   except USER_ERRORS as e:
     print(f'gnmr_jax.aot: error: {e}', file=sys.stderr)
     sys.exit(2)

@@ -24,8 +24,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from gnmr_jax.aot import device_specs
 from gnmr_jax.aot import inventory as inventory_lib
 from gnmr_jax.aot import program_cache
+from gnmr_jax.aot import step_time as step_time_lib
 from gnmr_jax.aot import targets as targets_lib
 
 INSTALL_HINT = ("make aot-venv (builds .venv-aot beside .venv; run the tool with "
@@ -170,6 +172,28 @@ def summarize(hlo_text: str) -> dict:
   }
 
 
+def project_step_time(hlo_text: str, report: dict, model_config) -> dict:
+  """The train step's projection on the report's target (step_time.project), or {'error'}.
+
+  Tokens per device: batch_size * seq_len / num_devices; model FLOPs: step_time.
+  model_flops_per_token over the model's weights less the embedding table.
+  """
+  from gnmr_jax import model_configs  # pylint: disable=g-import-not-at-top
+  try:
+    spec = device_specs.get_spec(report['target'])
+  except ValueError as e:
+    return {'error': str(e)}
+  tokens = report['batch_size'] * report['seq_len'] / report['num_devices']
+  d_model, heads = int(model_config.d_model), int(model_config.num_heads)
+  per_token = step_time_lib.model_flops_per_token(
+      model_configs.param_count(model_config) - int(model_config.vocab_size) * d_model,
+      int(model_config.num_layers), heads, d_model // heads, report['seq_len'])
+  kernels = step_time_lib.summarize(inventory_lib.parse(hlo_text))
+  precision = report['precision']
+  return step_time_lib.project(kernels, spec, tokens=tokens, model_flops=per_token * tokens,
+                               path=precision['low_cost_path'], mode=precision['mode'])
+
+
 def compile_step(jitted, args, mesh, target: targets_lib.Target,
                  cache_dir: str | None = None):
   """(program, lower seconds) of `jitted` on abstract `args` under `mesh`, for `target`.
@@ -217,7 +241,7 @@ def compile_step(jitted, args, mesh, target: targets_lib.Target,
 
 def compile_config(config: ml_collections.ConfigDict, target: str | targets_lib.Target,
                    steps: Sequence[str] = STEPS, keep_hlo: bool = False,
-                   cache_dir: str | None = None) -> dict:
+                   cache_dir: str | None = None, step_time: bool = False) -> dict:
   """Compiles `config`'s steps for `target` and reports what the device would run.
 
   Args:
@@ -228,6 +252,8 @@ def compile_config(config: ml_collections.ConfigDict, target: str | targets_lib.
     cache_dir: keep and reuse compiled programs' reports there (program_cache.py); default
       $GNMR_AOT_CACHE_DIR, unset: no cache. A step read from it says 'cached': True and the
       compile seconds XLA took when it compiled it.
+    step_time: also price the train step on the target's device (step_time.project) under
+      the train step's 'step_time'; a target without a device spec gets {'error': why}.
 
   Returns:
     {'target', 'platform', 'num_devices', 'num_hosts', 'device_memory_bytes', 'config',
@@ -254,6 +280,8 @@ def compile_config(config: ml_collections.ConfigDict, target: str | targets_lib.
       'device_kind': devices[0].device_kind, 'mesh': dict(run.mesh.shape),
       'batch_size': int(config.data.batch_size), 'seq_len': int(config.data.seq_len),
       'model': run.model_config.get('name', '?'),
+      # as resolved for the target's devices: the kernel compiled ('auto' never stays)
+      'attention': run.model_config.attention,
       'precision': {'mode': run.config.precision.mode,
                     'low_cost_path': run.config.precision.low_cost_path,
                     'recovery_path': run.config.precision.recovery_path,
@@ -275,6 +303,8 @@ def compile_config(config: ml_collections.ConfigDict, target: str | targets_lib.
              'margin_bytes': target.device_memory_bytes - memory['peak_bytes'],
              'cached': program.cached}
     entry.update(summarize(program.hlo_text))
+    if step_time and step == 'train':
+      entry['step_time'] = project_step_time(program.hlo_text, report, run.model_config)
     if keep_hlo:
       entry['hlo'] = program.hlo_text
     report['steps'][step] = entry

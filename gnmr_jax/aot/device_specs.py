@@ -13,6 +13,11 @@ class on a TPU), so every other chip carries the H200's GEMM efficiency: an assu
 the output.
 Nothing here is fitted to a step time; the one fitted constant lives in step_time.py.
 
+Flash-attention kernels (cuDNN's fused attention, Pallas splash attention) are priced apart, at
+`attention_rate`: the datasheet bf16 rate times the fraction of it a published benchmark of that
+kernel reached on that device (`ATTENTION_EFFICIENCY`, by key length), or the nearest published
+one where none exists (said so in the entry). No measurement in this project anchors them.
+
 Example:
   >>> spec = get_spec('h200')
   >>> round(spec.rate('fp8') / 1e12, 1), spec.memory_bandwidth / 1e12
@@ -24,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 T = 1e12
@@ -91,6 +97,15 @@ class DeviceSpec:
     H200's low int8 / fp8 fractions are Hopper's, nothing says a TPU MXU shares them)."""
     return H200_EFFICIENCY['bf16' if self.platform == 'tpu' else cls]
 
+  def attention_rate(self, kernel: str, backward: bool, seq_len: int) -> float:
+    """FLOP/s the model uses for a flash-attention kernel ('cudnn', 'splash') over `seq_len`
+    keys: the datasheet bf16 rate times `attention_efficiency`'s published fraction.
+
+    Raises:
+      ValueError: no ATTENTION_EFFICIENCY entry for this device and kernel.
+    """
+    return self.datasheet['bf16'] * attention_efficiency(self.name, kernel).at(backward, seq_len)
+
   def rate_source(self, cls: str) -> str:
     if cls in self.calibrated:
       return 'calibrated (measured on this chip)'
@@ -137,6 +152,122 @@ H200_EFFICIENCY.update(f32=H200_EFFICIENCY['bf16'], fp4=H200_EFFICIENCY['fp8'],
                        mxfp8=H200_EFFICIENCY['fp8'])
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionEfficiency:
+  """The fraction of a device's datasheet bf16 rate one flash-attention kernel reaches.
+
+  FLOPs counted as the benchmarks count them: 4 * B * H * S * T * D forward, 2.5x that backward,
+  halved when causal (inventory.FlashKernel counts a kernel's the same way, so time =
+  flops / (efficiency * datasheet bf16 rate)).
+
+  Attributes:
+    device: the SPECS name.
+    kernel: 'cudnn' or 'splash' (inventory.FlashKernel.kernel).
+    seq_lens: key lengths the fractions were read at, ascending.
+    forward, backward: the fraction at each of seq_lens (a splash dq / dkv kernel takes the
+      backward one); between two lengths interpolated in log2(length), outside them the
+      nearest end's (a shorter sequence than the shortest benchmarked runs slower still: the
+      model is optimistic there).
+    source: where the numbers come from (URL, figure, values), "assumed: ..." for what no
+      publication gives.
+  """
+  device: str
+  kernel: str
+  seq_lens: tuple
+  forward: tuple
+  backward: tuple
+  source: str
+
+  def at(self, backward: bool, seq_len: int) -> float:
+    """The fraction for a key length `seq_len`."""
+    values = self.backward if backward else self.forward
+    if seq_len <= self.seq_lens[0]:
+      return values[0]
+    for (s0, v0), (s1, v1) in zip(zip(self.seq_lens, values),
+                                  zip(self.seq_lens[1:], values[1:])):
+      if seq_len <= s1:
+        w = (math.log2(seq_len) - math.log2(s0)) / (math.log2(s1) - math.log2(s0))
+        return v0 + w * (v1 - v0)
+    return values[-1]
+
+
+# FlashAttention-3 (Shah et al. 2024, arXiv 2407.08608), H100 80GB SXM5, BF16, head dim 128,
+# B * S = 16k tokens, 2048 hidden: cuDNN's TFLOP/s at S = 512 ... 16k. Forward: Figure 5 panel
+# (d) "Forward, with causal mask, head dim 128" (the image is
+# github.com/Dao-AILab/flash-attention/blob/main/assets/flash3_fp16_fwd.png). Backward: the
+# backward-speed figure's head dim 128 panel, without causal mask (the paper shows no causal
+# backward).
+_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+_H100_CUDNN_FWD_CAUSAL_TFLOPS = (315., 410., 484., 518., 529., 539.)
+_H100_CUDNN_BWD_TFLOPS = (305., 408., 465., 499., 518., 516.)
+_H100_BF16_TFLOPS = SPECS['h100'].datasheet['bf16'] / T
+_FA3 = ('FlashAttention-3 paper (Shah et al. 2024), https://arxiv.org/abs/2407.08608: H100 SXM5 '
+        'BF16 head dim 128, cuDNN TFLOP/s at S = 512..16k / 989.4 datasheet; forward: Fig. 5(d) '
+        '"Forward, with causal mask, head dim 128" = 315, 410, 484, 518, 529, 539 (image: '
+        'https://github.com/Dao-AILab/flash-attention/blob/main/assets/flash3_fp16_fwd.png); '
+        'backward: the backward-speed figure, head dim 128 (no causal mask: the paper has no '
+        'causal backward) = 305, 408, 465, 499, 518, 516')
+# Splash on v5p: marin-community/marin PR 6330 (levanter splash prefix-LM masks, 2026-06-13),
+# "static_causal_splash", 8192 tokens, B = 1, 8 heads, head dim 128: 0.778 ms per layer (median
+# of a 20-layer stack). 4 * 8 * 8192^2 * 128 / 2 FLOPs in 0.778 ms = 176.7 TFLOP/s (as a forward
+# pass: forward and backward would be above the chip's peak).
+_V5P_SPLASH_FWD_CAUSAL_8K = (4 * 8 * 8192 ** 2 * 128 / 2 / 0.778e-3
+                             / SPECS['v5p'].datasheet['bf16'])
+_SPLASH_V5P = (
+    'marin-community/marin PR 6330, https://github.com/marin-community/marin/pull/6330 (v5p, '
+    'static causal splash, 8192 tokens, B=1, 8 heads, head dim 128: 0.778 ms per layer, 20-layer '
+    'median) = 176.7 TFLOP/s forward = 0.385 of 459 at S = 8192; assumed: the forward / backward '
+    'and sequence-length dependence of the H100 cuDNN curves (FA3 paper figures, scaled by 0.385 '
+    '/ 0.535 at 8192): no splash backward or short-sequence figure is published')
+
+
+def _fractions(tflops, peak, scale=1.0):
+  return tuple(scale * t / peak for t in tflops)
+
+
+def _h100_cudnn(device: str, note: str = '') -> AttentionEfficiency:
+  return AttentionEfficiency(
+      device, 'cudnn', _SEQ_LENS, _fractions(_H100_CUDNN_FWD_CAUSAL_TFLOPS, _H100_BF16_TFLOPS),
+      _fractions(_H100_CUDNN_BWD_TFLOPS, _H100_BF16_TFLOPS), (note + _FA3) if note else _FA3)
+
+
+def _splash(device: str, note: str = '') -> AttentionEfficiency:
+  scale = _V5P_SPLASH_FWD_CAUSAL_8K / (_H100_CUDNN_FWD_CAUSAL_TFLOPS[4] / _H100_BF16_TFLOPS)
+  return AttentionEfficiency(
+      device, 'splash', _SEQ_LENS,
+      _fractions(_H100_CUDNN_FWD_CAUSAL_TFLOPS, _H100_BF16_TFLOPS, scale),
+      _fractions(_H100_CUDNN_BWD_TFLOPS, _H100_BF16_TFLOPS, scale), note + _SPLASH_V5P)
+
+
+ATTENTION_EFFICIENCY = {(e.device, e.kernel): e for e in (
+    _h100_cudnn('h100'),
+    _h100_cudnn('h200', 'assumed: the H100\'s (same tensor cores and bf16 peak; flash attention '
+                'at these shapes is compute-bound, the H200\'s faster HBM does not change it); '),
+    _h100_cudnn('b200', 'assumed: the H100\'s fractions (no cuDNN-on-B200 figure by sequence '
+                'length found; FlashAttention-4, https://github.com/Dao-AILab/flash-attention '
+                'assets/fa4_paper.pdf, reports 1613 TFLOP/s = 71% of peak on B200 BF16 and up to '
+                '1.3x over cuDNN 9.13, i.e. cuDNN at >= ~0.55 of 2250 at its best shapes, '
+                'consistent with the H100\'s 0.54 at 16k); '),
+    _splash('v5p'),
+    _splash('v5e', 'assumed: the v5p\'s (no splash figure published for v5e); '),
+    _splash('v6e', 'assumed: the v5p\'s (no splash figure published for v6e; its 256x256 MXU is '
+            'half filled by head dim 128, which may lower it); '),
+)}
+
+
+def attention_efficiency(device: str, kernel: str) -> AttentionEfficiency:
+  """The ATTENTION_EFFICIENCY entry of a SPECS device and a flash-attention kernel.
+
+  Raises:
+    ValueError: none, listing those there are.
+  """
+  entry = ATTENTION_EFFICIENCY.get((device, kernel))
+  if entry is None:
+    raise ValueError(f'no attention efficiency for kernel {kernel!r} on {device!r}; entries: '
+                     f'{sorted(ATTENTION_EFFICIENCY)}')
+  return entry
+
+
 def get_spec(target: str) -> DeviceSpec:
   """The spec of a gnmr_jax.aot target name ('h200', 'h100:8', 'v5p-8', 'v6e-4').
 
@@ -164,4 +295,15 @@ def table() -> list[str]:
     lines.append(f"| {name} | {' | '.join(cells)} | {spec.memory_bandwidth / T:.2f} "
                  f"| {spec.interconnect_bandwidth / 1e9:.0f} | {spec.launch_s * 1e6:.0f} "
                  f"| {sources} |")
+  return lines
+
+
+def attention_table() -> list[str]:
+  """ATTENTION_EFFICIENCY as markdown rows: the forward / backward fraction of the datasheet
+  bf16 rate at each benchmarked key length, and the source."""
+  lines = ['| device | kernel | ' + ' | '.join(f'S={n}' for n in _SEQ_LENS)
+           + ' | source |', '|' + '---|' * (3 + len(_SEQ_LENS))]
+  for entry in ATTENTION_EFFICIENCY.values():
+    cells = [f'{entry.at(False, n):.2f} / {entry.at(True, n):.2f}' for n in _SEQ_LENS]
+    lines.append(f"| {entry.device} | {entry.kernel} | {' | '.join(cells)} | {entry.source} |")
   return lines

@@ -3,8 +3,10 @@
 The inventory lists every GEMM with its operand and result dtypes (GPU: the cuBLASLt / cuBLAS /
 cuDNN custom calls and any ``dot`` left to a fusion; TPU: ``convolution``, which is how the MXU's
 matmuls appear), the conditionals with the GEMMs of each branch, the loops with their trip
-counts, and the collectives with the bytes of their largest buffer. Counts are of instructions
-in the program; ``executions`` multiplies each by the trip counts of the loops around it.
+counts, the collectives with the bytes of their largest buffer, and the flash-attention kernels
+(cuDNN's fused attention, Pallas splash attention) with the FLOPs their shapes imply. Counts are
+of instructions in the program; ``executions`` multiplies each by the trip counts of the loops
+around it.
 
 Example:
   >>> hlo = '''HloModule m
@@ -44,6 +46,13 @@ _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_INSTRUCTION_START = re.compile(r'\s*(?:ROOT\s+)?%[\w.\-]+\s*=')
+# cuDNN fused attention: __cudnn$fmhaSoftmax, ...ScaleBiasSoftmax, ...Dropout, ...F8, and their
+# ...Backward... twins.
+_CUDNN_FMHA = re.compile(r'^__cudnn\$fmha\w*$')
+# A Pallas splash kernel's name (splash_attention_kernel.get_kernel_name), as the custom call's
+# op_name or instruction name carries it.
+_SPLASH = re.compile(r'splash_(mha|mqa)_(fwd|dq|dkv)')
 # The JAX op name of a gnmr_jax Transformer projection's matmul (forward, or its transposes in
 # the backward pass): '.../layers/attn/q/...' or, routed, '.../layers/mlp/up/cond/branch_0_fun/...'
 PROJECTION_OP = re.compile(r'/layers/(?:attn|mlp)/(q|k|v|o|gate|up|down)/')
@@ -129,6 +138,188 @@ class Gemm:
     return match.group(1) if match else None
 
 
+@dataclasses.dataclass(frozen=True)
+class FlashKernel:
+  """A flash-attention kernel the inventory recognises, and the GEMMs one launch runs.
+
+  Per (query, key) pair a launch runs `qk_gemms` GEMMs of contraction length D (the query /
+  key head dimension: S = QK^T, dQ = dS K, dK = dS^T Q) and `v_gemms` of length Dv (the value
+  head dimension: O = P V, dV = P^T dO, dP = dO V^T), so
+
+    flops = 2 * B * H * S * T * (qk_gemms * D + v_gemms * Dv)   (halved when causal)
+
+  with H the query heads (grouped-query attention reads fewer K / V heads, every query head
+  still multiplies), S the query and T the key length.
+
+  Attributes:
+    kernel: the implementation ('cudnn', 'splash'): selects the efficiency
+      (device_specs.ATTENTION_EFFICIENCY).
+    phase: 'fwd', 'bwd' (a whole backward in one launch), 'dq' or 'dkv' (splash's split one).
+    qk_gemms, v_gemms: as above.
+    doc: the GEMMs, named.
+  """
+  kernel: str
+  phase: str
+  qk_gemms: int
+  v_gemms: int
+  doc: str
+
+  @property
+  def backward(self) -> bool:
+    return self.phase != 'fwd'
+
+
+# (kernel, phase) -> its GEMMs; splash's from splash_attention_kernel.py (flash_attention_kernel,
+# _flash_attention_dq_kernel, _flash_attention_dkv_kernel).
+FLASH_KERNELS = {(k.kernel, k.phase): k for k in (
+    FlashKernel('cudnn', 'fwd', 1, 1, 'S = QK^T, O = PV'),
+    FlashKernel('cudnn', 'bwd', 3, 2, 'S = QK^T (recomputed), dV = P^T dO, dP = dO V^T, '
+                'dQ = dS K, dK = dS^T Q'),
+    FlashKernel('splash', 'fwd', 1, 1, 'S = QK^T, O = PV'),
+    FlashKernel('splash', 'dq', 2, 1, 'S = QK^T (recomputed), dP = dO V^T, dQ = dS K'),
+    FlashKernel('splash', 'dkv', 2, 2, 'S = QK^T (recomputed), dV = P^T dO, dP = dO V^T, '
+                'dK = dS^T Q'),
+    FlashKernel('splash', 'bwd', 3, 2, 'the dkv kernel with dQ fused in '
+                '(BlockSizes.use_fused_bwd_kernel)'),
+)}
+
+
+@dataclasses.dataclass
+class Attention:
+  """One flash-attention kernel of the program.
+
+  Attributes:
+    kind: its FLASH_KERNELS entry.
+    batch_heads: B * H (query heads).
+    seq_q, seq_kv: S and T.
+    head_dim, head_dim_v: D (query / key) and Dv (value).
+    causal: whether the kernel skips the keys after each query (FLOPs halved): cuDNN's
+      backend_config mask_type; a splash kernel given its mask function's q_sequence operand
+      (CausalMask and its kin; gnmr_jax builds only CausalMask).
+    flops: of one execution.
+    executions, branches, instruction, computation, op_name: as Gemm's.
+  """
+  kind: FlashKernel
+  batch_heads: int
+  seq_q: int
+  seq_kv: int
+  head_dim: int
+  head_dim_v: int
+  causal: bool
+  flops: int
+  instruction: str
+  computation: str
+  op_name: str = ''
+  branches: tuple = ()
+  executions: int = 1
+
+  @property
+  def total_flops(self) -> int:
+    return self.flops * self.executions
+
+
+def _flash_kind(instruction: Instruction) -> FlashKernel | None:
+  if instruction.opcode != 'custom-call':
+    return None
+  target = _TARGET.search(instruction.attributes)
+  target = target.group(1) if target else ''
+  if _CUDNN_FMHA.match(target):
+    return FLASH_KERNELS['cudnn', 'bwd' if 'Backward' in target else 'fwd']
+  if target == 'tpu_custom_call':
+    op_name = _OP_NAME.search(instruction.attributes)
+    match = _SPLASH.search(op_name.group(1) if op_name else '') or _SPLASH.search(
+        instruction.name)
+    if match:
+      return FLASH_KERNELS['splash', match.group(2)]
+  return None
+
+
+def _attention(instruction: Instruction, kind: FlashKernel, operands: list) -> Attention | None:
+  """The shapes and FLOPs of a flash-attention call; None when its operands cannot be read.
+
+  Args:
+    operands: (dtype, shape) of each operand.
+  """
+  attributes = instruction.attributes
+  floats = [shape for dtype, shape in operands
+            if dtype in ('bf16', 'f16', 'f32') or dtype.startswith('f8')]
+  if len(floats) < 3 or min(len(s) for s in floats[:3]) < 2:
+    return None
+  q, k, v = floats[:3]
+  if kind.kernel == 'cudnn':
+    # q, k, v come first ([B, S, H, D]: jax.nn.dot_product_attention's layout); the scores'
+    # shape [B, H, S, T] is in the backend_config.
+    head_dim, head_dim_v = q[-1], v[-1]
+    scores = re.search(r'"intermediate_tensor_shape":\s*\{[^}]*?"dimensions":\s*\[([^\]]*)\]',
+                       attributes)
+    dims = [int(d) for d in re.findall(r'\d+', scores.group(1))] if scores else []
+    if len(dims) == 4:
+      batch_heads, seq_q, seq_kv = dims[0] * dims[1], dims[2], dims[3]
+    else:
+      batch_heads, seq_q, seq_kv = q[0] * q[2], q[1], k[1]
+    mask = re.search(r'"mask_type":\s*"(\w+)"', attributes)
+    causal = bool(mask) and 'CAUSAL' in mask.group(1)
+  else:
+    # q [..., H, S, D], k and v [..., K, T, D] ([T, D] for MQA), a vmap's batch in front;
+    # QKVLayout.SEQ_MINOR (2) swaps the last two.
+    def last_two(shape, name):
+      seq_minor = re.search(rf'{name}_layout\\?":\s*2\b', attributes)
+      return (shape[-1], shape[-2]) if seq_minor else (shape[-2], shape[-1])
+    seq_q, head_dim = last_two(q, 'q')
+    seq_kv, _ = last_two(k, 'k')
+    _, head_dim_v = last_two(v, 'v')
+    batch_heads = math.prod(q) // (seq_q * head_dim)
+    if kind.phase == 'dkv' and any(len(shape) > len(q) for _, shape in arrays(instruction.type)):
+      kind = FLASH_KERNELS['splash', 'bwd']  # dQ fused in: its result has a block axis more
+    # A computable mask (CausalMask, LocalMask, ChunkedCausalMask) reads the q_sequence iota,
+    # [S, 128] or [8, T]; a full mask has none.
+    causal = any(dtype == 's32' and len(shape) == 2 and (
+        shape in ((seq_q, 128), (8, seq_kv))) for dtype, shape in operands)
+  flops = 2 * batch_heads * seq_q * seq_kv * (kind.qk_gemms * head_dim
+                                              + kind.v_gemms * head_dim_v)
+  if causal:
+    share = 0.5
+    blocks = _splash_blocks(attributes, kind.phase) if kind.kernel == 'splash' else None
+    if blocks:  # splash skips whole blocks above the diagonal, and computes the rest whole
+      share = causal_block_share(seq_q, seq_kv, *blocks)
+    flops = int(flops * share)
+  op_name = _OP_NAME.search(attributes)
+  return Attention(kind, batch_heads, seq_q, seq_kv, head_dim, head_dim_v, causal,
+                   flops, instruction.name, instruction.computation,
+                   op_name.group(1) if op_name else '')
+
+
+# The (query, key) block sizes of each splash kernel's grid, as its xprof_metadata names them.
+_SPLASH_BLOCK_FIELDS = {'fwd': ('block_q', 'block_kv'), 'dq': ('block_q_dq', 'block_kv_dq'),
+                        'dkv': ('block_q_dkv', 'block_kv_dkv'),
+                        'bwd': ('block_q_dkv', 'block_kv_dkv')}
+
+
+def _splash_blocks(attributes: str, phase: str) -> tuple[int, int] | None:
+  sizes = []
+  for field in _SPLASH_BLOCK_FIELDS[phase]:
+    found = re.search(rf'{field}\\?":\s*(\d+)', attributes)
+    if not found:
+      return None
+    sizes.append(int(found.group(1)))
+  return sizes[0], sizes[1]
+
+
+def causal_block_share(seq_q: int, seq_kv: int, block_q: int, block_kv: int) -> float:
+  """Share of a [seq_q, seq_kv] causal grid a block-sparse kernel computes: every block
+  holding a (query, key <= query) pair, whole.
+
+  Example:
+    >>> causal_block_share(256, 256, 256, 256), causal_block_share(256, 256, 128, 128)
+    (1.0, 0.75)
+    >>> round(causal_block_share(8192, 8192, 512, 512), 4)
+    0.5312
+  """
+  rows, cols = -(-seq_q // block_q), -(-seq_kv // block_kv)
+  computed = sum(min(cols, ((r + 1) * block_q - 1) // block_kv + 1) for r in range(rows))
+  return computed / (rows * cols)
+
+
 @dataclasses.dataclass
 class Inventory:
   """The parsed program: instructions by name and what ran where."""
@@ -139,6 +330,7 @@ class Inventory:
   conditionals: dict            # conditional name -> [branch computations]
   loops: dict                   # while name -> trip count (None: unknown)
   collectives: list             # (opcode, bytes of the largest buffer, executions)
+  attention: list = dataclasses.field(default_factory=list)  # Attention, one per kernel call
 
   def gemm_counts(self) -> dict:
     """'<kind> <lhs> x <rhs> -> <result>' -> number of GEMM instructions."""
@@ -164,6 +356,17 @@ class Inventory:
       if projection is None or (g.projection is not None) == projection:
         out[f'{g.kind} {g.lhs} x {g.rhs} -> {g.result}'] += g.total_flops
     return dict(out)
+
+  def attention_flops(self, branch: int | None = 0, forward_only: bool = False) -> int:
+    """FLOPs of one step's flash-attention kernels (executions counted; branch as in `taken`).
+
+    Args:
+      forward_only: only the forward kernels (3x them: the attention's model FLOPs of a
+        training step, the backward's recomputation of QK^T left out).
+    """
+    return sum(a.total_flops for a in self.attention
+               if (branch is None or all(index == branch for _, index in a.branches))
+               and not (forward_only and a.kind.backward))
 
   def collective_summary(self) -> dict:
     """opcode -> {'count', 'bytes' (sum of largest buffers, times executions)}."""
@@ -274,10 +477,32 @@ def _contraction_size(instruction: Instruction, operand_shapes: list) -> int:
   return math.prod(lhs[i] for i in indices if i < len(lhs))
 
 
+def _logical_lines(hlo_text: str) -> list[str]:
+  """The text's lines, an instruction printed over several joined into one.
+
+  A TPU custom call's frontend_attributes hold a string with line breaks (a Pallas kernel's
+  xprof_metadata), so its op_name and backend_config follow on later lines; an instruction
+  whose brackets are still open takes the next line unless that one starts an instruction or
+  closes a computation.
+  """
+  out, open_brackets = [], 0
+  for line in hlo_text.splitlines():
+    starts = _INSTRUCTION_START.match(line) is not None
+    if open_brackets > 0 and not starts and line.strip() != '}':
+      out[-1] += ' ' + line.strip()
+    else:
+      out.append(line)
+      open_brackets = 0
+      if not starts:
+        continue
+    open_brackets += sum(map(line.count, '([{')) - sum(map(line.count, ')]}'))
+  return out
+
+
 def parse(hlo_text: str) -> Inventory:
   """The inventory of an optimized HLO module's text."""
   instructions, computations, entry, current = {}, {}, None, None
-  for line in hlo_text.splitlines():
+  for line in _logical_lines(hlo_text):
     header = _COMPUTATION.match(line)
     if header and not line.startswith(' '):
       current = header.group(2)
@@ -311,7 +536,7 @@ def parse(hlo_text: str) -> Inventory:
             return int(value.group(1))
     return None
 
-  gemms, conditionals, loops, collectives = [], {}, {}, []
+  gemms, conditionals, loops, collectives, attention = [], {}, {}, [], []
   executions = collections.Counter()
   branch_of = {}
 
@@ -354,13 +579,21 @@ def parse(hlo_text: str) -> Inventory:
       gemms.append(Gemm(kind, operands[0][0], operands[1][0], result_dtype, result_shape,
                         op_name.group(1) if op_name else '', instruction.computation,
                         branch_of[name], count, flops, name))
+    flash = _flash_kind(instruction)
+    if flash is not None:
+      call = _attention(instruction, flash, [(arrays(instructions[o].type) or [('?', ())])[0]
+                                             if o in instructions else ('?', ())
+                                             for o in instruction.operands])
+      if call is not None:
+        attention.append(dataclasses.replace(call, branches=branch_of[name], executions=count))
     base = instruction.opcode.removesuffix('-start')
     if base in COLLECTIVES and not instruction.opcode.endswith('-done'):
       size = max([nbytes(instruction.type)]
                  + [nbytes(instructions[o].type) for o in instruction.operands
                     if o in instructions])
       collectives.append((base, size, count))
-  return Inventory(instructions, computations, entry, gemms, conditionals, loops, collectives)
+  return Inventory(instructions, computations, entry, gemms, conditionals, loops, collectives,
+                   attention)
 
 
 # --- Kernels: what a device launches, for gnmr_jax.aot.step_time ------------------------------
@@ -388,10 +621,14 @@ class Kernel:
     bytes_read, bytes_written: memory traffic of one launch: operands and results, where a
       fused parameter only sliced (dynamic-slice, slice, gather) counts its slices and an
       in-place dynamic-update-slice counts its update.
-    flops: GEMM FLOPs of one launch (0 for a kernel without a GEMM).
+    flops: GEMM FLOPs of one launch (0 for a kernel without a GEMM); a flash-attention
+      kernel's (Attention.flops).
     gemm: '<lhs> x <rhs> -> <result>' dtypes of its (largest) GEMM, or ''.
     dtypes: every dtype of its operands, results and (for a fusion) fused instructions.
     op_name: the JAX op it came from (metadata).
+    attention: '<kernel> <phase>' of a flash-attention kernel ('cudnn fwd', 'splash dkv'; see
+      FLASH_KERNELS), else ''.
+    seq_kv: a flash-attention kernel's key length T (its efficiency depends on it), else 0.
   """
   name: str
   opcode: str
@@ -405,6 +642,8 @@ class Kernel:
   gemm: str = ''
   dtypes: frozenset = frozenset()
   op_name: str = ''
+  attention: str = ''
+  seq_kv: int = 0
 
 
 def _array_bytes(type_text: str) -> float:
@@ -495,7 +734,9 @@ def kernels(inventory: Inventory) -> list[Kernel]:
   The entry computation, each while loop's body and condition (executions times its trip
   count), each conditional's branches (every branch listed, `branches` telling which) and
   called computations; a fusion or a custom call is one kernel (its GEMMs' FLOPs summed in), a
-  conditional one site of its own (opcode 'conditional', no bytes: choosing the branch).
+  conditional one site of its own (opcode 'conditional', no bytes: choosing the branch); a
+  flash-attention custom call carries its FLOPs (inventory.attention) and names itself in
+  `attention`.
   Instructions that launch nothing (parameters, tuples, bitcasts, control flow) are left out.
 
   Example:
@@ -509,6 +750,7 @@ def kernels(inventory: Inventory) -> list[Kernel]:
     [('custom-call', 65536, 'bf16 x bf16 -> bf16', 5120.0, 2048.0)]
   """
   instructions = inventory.instructions
+  attention_calls = {a.instruction: a for a in inventory.attention}
   gemms_in = collections.defaultdict(list)  # computation -> its GEMMs
   for gemm in inventory.gemms:
     gemms_in[gemm.computation].append(gemm)
@@ -566,11 +808,13 @@ def kernels(inventory: Inventory) -> list[Kernel]:
           written = float(math.prod(shape) * dtype_bytes(dtype))
       largest = max(inner_gemms, key=lambda g: g.flops, default=None)
       op_name = _OP_NAME.search(instruction.attributes)
+      call = attention_calls.get(name)
       out.append(Kernel(
           name, opcode, computation, times, branch, in_loop, read, written,
-          sum(g.flops for g in inner_gemms),
+          call.flops if call else sum(g.flops for g in inner_gemms),
           f'{largest.lhs} x {largest.rhs} -> {largest.result}' if largest else '',
-          frozenset(_all_dtypes(inventory, instruction)), op_name.group(1) if op_name else ''))
+          frozenset(_all_dtypes(inventory, instruction)), op_name.group(1) if op_name else '',
+          f'{call.kind.kernel} {call.kind.phase}' if call else '', call.seq_kv if call else 0))
 
   walk(inventory.entry, 1, (), False)
   return out

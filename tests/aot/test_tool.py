@@ -111,3 +111,27 @@ def test_bad_targets_and_meshes_are_refused_before_compiling(target, mesh, expec
   config.mesh.update(mesh)
   with pytest.raises(ValueError, match=expect):
     compile_lib.compile_config(config, target)
+
+
+def test_cli_step_time_prices_the_train_step_with_its_flash_attention(tmp_path):
+  """--step_time: the train step's price on paper, cuDNN flash attention counted (tiny, bf16)."""
+  out = tmp_path / 'step_time.json'
+  run = _cli('--config=configs/tiny.py:runlocal', '--target=h100', '--steps=train',
+             '--step_time', '--config.precision.mode=static',
+             '--config.precision.low_cost_path=bf16', '--config.model.dtype=bfloat16',
+             '--config.model.attention=cudnn', '--config.data.seq_len=128',
+             '--config.model.max_seq_len=128', f'--json={out}')
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert 'step time on paper (h100 roofline, per device): ' in run.stdout
+  assert 'calibration: bf16 step -8.1%' in run.stdout
+  report = json.loads(out.read_text())
+  projection = report['steps']['train']['step_time']
+  config = load_config('tiny', 'runlocal').model
+  batch, seq, layers = report['batch_size'], 128, config.num_layers
+  heads, head_dim = config.num_heads, config.d_model // config.num_heads
+  # per layer a causal forward (QK^T, PV) and backward (5 GEMMs): (4 + 10) B H S^2 D / 2
+  assert projection['attention_kernel_flops'] == layers * 7 * batch * heads * seq ** 2 * head_dim
+  assert projection['shares']['attention'] > 0
+  assert projection['tokens_per_s'] == pytest.approx(batch * seq / projection['step_s'])
+  assert projection['mfu'] == pytest.approx(
+      projection['model_flops'] / projection['step_s'] / 989.4e12)
