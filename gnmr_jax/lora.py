@@ -117,8 +117,10 @@ def _lora_step(model, base_params, controller, optimizer, scale: float, routed: 
   merged = merge(base_params, state.adapters, scale)
 
   def loss_fn(params):
-    logits = model.apply({"params": params}, batch["inputs"], recovery_mask=mask)
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+    # The model's fused head and loss (float32 [B, S, V] logits never exist): sum / tokens.
+    total = model.apply({"params": params}, batch["inputs"], recovery_mask=mask,
+                        targets=batch["targets"])
+    return total / batch["targets"].size
 
   loss, grads = jax.value_and_grad(loss_fn)(merged)
   _, ctl_state = controller.update(grads, state.ctl_state, merged)
@@ -158,10 +160,16 @@ def make_eval_fn(model, base_params, scale: float, routed: bool):
   def eval_fn(state: LoraState, batch):
     mask = controller_state(state.ctl_state).mask if routed else None
     merged = merge(base_params, state.adapters, scale)
-    logits = model.apply({"params": merged}, batch["inputs"], recovery_mask=mask)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.sum(losses), jnp.float32(losses.size)
+    return _loss_sum_and_count(model, merged, batch, mask)
   return eval_fn
+
+
+def _loss_sum_and_count(model, params, batch, mask):
+  """(sum of the batch's token cross-entropies, token count as float32), through the model's
+  fused head and loss."""
+  total = model.apply({"params": params}, batch["inputs"], recovery_mask=mask,
+                      targets=batch["targets"])
+  return total, jnp.float32(batch["targets"].size)
 
 
 def make_sequence_logprob_fn(model, base_params, scale: float, routed: bool):
@@ -173,6 +181,8 @@ def make_sequence_logprob_fn(model, base_params, scale: float, routed: bool):
   def fn(state: LoraState, tokens, weights):
     mask = controller_state(state.ctl_state).mask if routed else None
     merged = merge(base_params, state.adapters, scale)
+    # Per-row sums need per-token values, which the model's fused loss (targets=) does not
+    # return, so this forward-only scoring pass still materialises float32 [B, S, V] logits.
     logits = model.apply({"params": merged}, tokens[:, :-1], recovery_mask=mask)
     logp = -optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
     return jnp.sum(logp * weights[:, 1:], axis=1)
@@ -226,9 +236,7 @@ class LoraTask:
   def eval_step(self, state: LoraState, batch, *, spec):
     mask = controller_state(state.ctl_state).mask if spec.routed else None
     merged = merge(self.base_params, state.adapters, self.scale)
-    logits = spec.model.apply({"params": merged}, batch["inputs"], recovery_mask=mask)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-    return jnp.sum(losses), jnp.float32(losses.size)
+    return _loss_sum_and_count(spec.model, merged, batch, mask)
 
   def trainable(self, state: LoraState):
     return state.adapters

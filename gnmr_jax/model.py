@@ -40,8 +40,9 @@ import ml_collections
 from flax.core import meta
 
 from gnmr_jax import attention as attention_lib
+from gnmr_jax import loss as loss_lib
 from gnmr_jax import sharding
-from gnmr_jax.model_configs import validate_model_config
+from gnmr_jax.model_configs import static_scan_unroll, validate_model_config
 from gnmr_jax.precision import explicit_sharding, side_buffer
 
 # Projection names per sub-module; each owns a `kernel` of shape [d_in, d_out]
@@ -366,16 +367,28 @@ class Transformer(nn.Module):
   interpret_kernels: bool = False
 
   @nn.compact
-  def __call__(self, tokens: Array, recovery_mask: Any = None) -> Array:
-    """Forward pass.
+  def __call__(self, tokens: Array, recovery_mask: Any = None, *, targets: Array | None = None,
+               loss_weights: Array | None = None) -> Array:
+    """Forward pass: the logits, or with `targets` the summed cross-entropy.
+
+    With targets the head and the loss run fused, `config.loss_chunks` sequence chunks at a
+    time (`gnmr_jax.loss.chunked_cross_entropy`), so float32 [B, S, vocab_size] logits are
+    never materialised: L = sum_{b,s} w_bs (logsumexp_v z_bsv - z_{b,s,targets_bs}).
 
     Args:
       tokens: int32[B, S] token ids, S <= config.max_seq_len.
       recovery_mask: the controller's bool mask tree for `{'params': p}` or `p`,
         or None. Used only when `policy.routed`; otherwise no cond is emitted.
+      targets: int[B, S] next-token ids, or None for the logits.
+      loss_weights: [B, S] per-token weights w of the loss (float or bool), or None for
+        all ones; only with `targets`.
 
     Returns:
-      float32[B, S, vocab_size] logits.
+      float32[B, S, vocab_size] logits (targets None), or the float32 scalar L (mean loss:
+      L / number of weighted tokens, e.g. L / targets.size).
+
+    Raises:
+      ValueError: loss_weights without targets (and chunked_cross_entropy's shape checks).
     """
     cfg = self.config
     validate_model_config(cfg)
@@ -395,6 +408,9 @@ class Transformer(nn.Module):
     x_BxSxD = sharding.constrain(x_BxSxD, ('batch', 'length', 'embed'))
     rope = rope_tables(tokens.shape[1], cfg.d_model // cfg.num_heads, cfg.rope_theta)
 
+    if cfg.scan_unroll == -1:  # per backend: train_loop.build resolves it for its mesh
+      cfg = ml_collections.ConfigDict(cfg.to_dict())
+      cfg.scan_unroll = static_scan_unroll(cfg, jax.devices()[0].platform)
     block = Block
     remat = {True: 'full', False: 'none'}.get(cfg.remat, cfg.remat)
     side = None
@@ -435,6 +451,14 @@ class Transformer(nn.Module):
             nn.initializers.normal(cfg.d_model ** -0.5), ('embed', 'vocab')),
         (cfg.d_model, cfg.vocab_size), param_dtype)
     head_DxV = sharding.gather_weight(head.astype(dtype), ('embed', 'vocab'))
+    if targets is not None:
+      loss_sum = loss_lib.chunked_cross_entropy(x_BxSxD, head_DxV, targets, loss_weights,
+                                                num_chunks=cfg.loss_chunks)
+      # The side buffer's chain ends on the loss (side_buffer.attach: + 0).
+      return side_buffer.attach(loss_sum, side)
+    if loss_weights is not None:
+      raise ValueError('loss_weights needs targets (the weights of the targets\' losses); '
+                       'got loss_weights with targets=None')
     logits_BxSxV = jnp.einsum(
         'bsd,dv->bsv', x_BxSxD, head_DxV, preferred_element_type=jnp.float32)
     # The side buffer's chain ends on the logits (side_buffer.attach: + 0).

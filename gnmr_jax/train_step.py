@@ -59,14 +59,29 @@ class StepSpec:
 
 
 def cross_entropy(logits_BxSxV, targets_BxS):
-  """Mean next-token cross-entropy in nats (float32), its sum and the token count."""
+  """Mean next-token cross-entropy in nats (float32), its sum and the token count, from logits.
+
+  The steps below do not materialise the logits: the model fuses its head with the loss
+  (``model.apply(..., targets=targets)``, gnmr_jax/loss.py). This is the same loss for code
+  that has logits.
+  """
   losses = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, targets_BxS)
   return jnp.mean(losses), jnp.sum(losses), targets_BxS.size
 
 
+def _model_loss_sum(model, params, batch, mask, **apply_kwargs):
+  """(the sum of the batch's token cross-entropies, float32, and the token count), through the
+  model's fused head and loss (float32 [B, S, V] logits never exist); apply_kwargs go to
+  ``model.apply`` (``mutable=...`` makes the first value a (sum, variables) pair)."""
+  targets = batch["targets"]
+  out = model.apply({"params": params}, batch["inputs"], recovery_mask=mask, targets=targets,
+                    **apply_kwargs)
+  return out, targets.size
+
+
 def _model_loss(model, params, batch, mask):
-  logits = model.apply({"params": params}, batch["inputs"], recovery_mask=mask)
-  return cross_entropy(logits, batch["targets"])[0]
+  total, count = _model_loss_sum(model, params, batch, mask)
+  return total / count
 
 
 def gradient_passes(spec: StepSpec, params, batch) -> gap_lib.GradientPasses:
@@ -101,9 +116,9 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
     if injector is not None:  # reliability tests only (config.faults)
       params = injector.corrupt_params(params, step_number,
                                        spec.layout.flat(ctl.mask) if mask is not None else None)
-    logits, sown = spec.model.apply({"params": params}, batch["inputs"], recovery_mask=mask,
-                                    mutable=["intermediates"])
-    loss, _, _ = cross_entropy(logits, batch["targets"])
+    (total, sown), count = _model_loss_sum(spec.model, params, batch, mask,
+                                           mutable=["intermediates"])
+    loss = total / count
     if injector is not None:
       loss = injector.corrupt_loss(loss, step_number)
     # Recoveries the side buffer had no room for (0 with the controller's mask).
@@ -162,6 +177,5 @@ def controller_metrics(layout: UnitLayout, ctl, new_ctl) -> dict:
 def eval_step(state: TrainState, batch: dict, *, spec: StepSpec):
   """(state, batch) -> (sum of token losses, token count), with the mask of the next step."""
   _, mask = _mask_of(spec, state.opt_state)
-  logits = spec.model.apply({"params": state.params}, batch["inputs"], recovery_mask=mask)
-  _, total, count = cross_entropy(logits, batch["targets"])
+  total, count = _model_loss_sum(spec.model, state.params, batch, mask)
   return total, jnp.float32(count)

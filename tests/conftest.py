@@ -287,7 +287,8 @@ SECONDS = {
     "test_compile_guard.py": 16, "test_data_tfds_mock.py": 14, "test_threshold_sweep.py": 14,
     "test_precision_stress.py": 11, "test_experiments_lora.py": 10, "test_baselines.py": 7,
     "test_model_configs.py": 3, "test_works_with_table.py": 1, "test_configs.py": 1,
-    "test_data_units.py": 1, "test_precision_backend.py": 1,
+    "test_data_units.py": 1, "test_precision_backend.py": 1, "test_loss.py": 45,
+    "test_attention.py": 25,
 }
 
 

@@ -30,6 +30,8 @@ MODULES = (
     "gnmr_jax.nnx_routing",
     "gnmr_jax.model",
     "gnmr_jax.model_configs",
+    "gnmr_jax.attention",
+    "gnmr_jax.loss",
     "gnmr_jax.sharding",
     "gnmr_jax.plots",
     "gnmr_jax.data.config",
@@ -56,6 +58,8 @@ DOCUMENTED = (
     "gnmr_jax.control.units.unit_norms",
     "gnmr_jax.model.Transformer", "gnmr_jax.model.projection_recover_bits",
     "gnmr_jax.model.for_init",
+    "gnmr_jax.loss.chunked_cross_entropy", "gnmr_jax.loss.chunked_token_losses",
+    "gnmr_jax.attention.resolve", "gnmr_jax.model_configs.static_scan_unroll",
     "gnmr_jax.plots", "gnmr_jax.plots.plot_losses", "gnmr_jax.plots.recovery_matrix",
 )
 

@@ -79,8 +79,8 @@ def test_adapter_grads_equal_autodiff_through_merge():
 
 
 def test_lora_task_in_the_library_loop_equals_the_hand_written_step_loop(tmp_path, data_dirs):
-  """LoraTask through train_and_evaluate runs exactly the steps of make_lora_step (the loop
-  scenario 3 used to carry): the same losses and adapters, bit for bit, plus the loop's logs."""
+  """LoraTask through train_and_evaluate runs the steps of make_lora_step (the loop scenario 3
+  used to carry): the same losses to float32 rounding, plus the loop's logs."""
   import json  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from gnmr_jax import control, metrics_log, train_loop  # pylint: disable=g-import-not-at-top
@@ -112,7 +112,11 @@ def test_lora_task_in_the_library_loop_equals_the_hand_written_step_loop(tmp_pat
     losses.append(float(metrics["loss"]))
   logged = [r["loss"] for r in metrics_log.read_jsonl(
       str(tmp_path / metrics_log.METRICS_FILE))]
-  assert logged == losses
+  # Two programs of the same steps (the loop's is jitted with its shardings and donation): XLA
+  # may fuse the element-wise update differently, which moves an adapter by an ulp after a
+  # step (seen: 1 ulp in mlp/down after step 1); three steps later the loss differs by a few
+  # float32 ulps (2^-23 = 1.2e-7 relative), far below any real divergence.
+  np.testing.assert_allclose(logged, losses, rtol=8 * 2.0 ** -23, atol=0)
   units = metrics_log.read_jsonl(str(tmp_path / metrics_log.UNITS_FILE))
   assert [sum(u["mask"]) for u in units] == [0, 0, config.gnmr.max_o]  # warmup 1, then max_o
   names = json.load(open(tmp_path / metrics_log.UNIT_NAMES_FILE))
