@@ -102,10 +102,14 @@ def bf16_matmul(lhs: jax.Array, rhs: jax.Array, out_dtype, out_sharding=None
                 ) -> jax.Array:
   """[M, C] x [C, N] with bfloat16 operands and float32 accumulation.
 
+  A bfloat16 result is asked of the GEMM itself (it accumulates in float32 and rounds once,
+  as the float32 result cast afterwards would): the GPU's cuBLASLt call and the TPU's MXU
+  write bf16, with no float32 [M, N] buffer and no cast pass over it.
   ``out_sharding``: the result's sharding under an explicit-axis mesh, else None.
   """
+  result = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
   acc = lax.dot_general(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16),
-                        MATMUL_DIMS, preferred_element_type=jnp.float32,
+                        MATMUL_DIMS, preferred_element_type=result,
                         **explicit_sharding.dot_kwargs(out_sharding))
   return acc.astype(out_dtype)
 
