@@ -369,3 +369,18 @@ def test_a_causal_splash_kernel_is_priced_at_the_blocks_it_computes(kernel, phas
   full = gemms * B * H * S * S * D
   assert call.flops == int(full * (n * (n + 1) / 2) / n ** 2)
   assert inventory.causal_block_share(S, S, S, S) == 1.0   # one block: the whole square
+
+
+def test_a_window_over_a_padded_size_one_dimension_counts_one_element():
+  # How XLA:TPU writes a projection whose output is split into heads (h=4 of 8 features): the
+  # heads as a window of 4 over a size-1 lhs dimension padded by 3 on each side (compiled for
+  # v6e-1, 2026-12-07): each output element meets one real lhs element per input feature.
+  hlo = '''HloModule m
+ENTRY %main (a: bf16[4,16,64,1], b: bf16[4,8,64,1]) -> bf16[4,16,4,8] {
+  %a = bf16[4,16,64,1]{2,1,3,0} parameter(0)
+  %b = bf16[4,8,64,1]{2,1,0,3} parameter(1)
+  ROOT %c = bf16[4,16,4,8]{3,1,2,0} convolution(%a, %b), window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf1_1oi0->0b1f
+}'''
+  (gemm,) = inventory.parse(hlo).gemms
+  assert gemm.flops == 2 * (4 * 16 * 4 * 8) * 64   # the dot [64 tokens, 64] x [64, 32]
+  assert inventory.window_taps(6, 3, pad=(1, 1), stride=2) == 8 / 3   # outputs 0..2: 2, 3, 3

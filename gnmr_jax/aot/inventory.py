@@ -441,26 +441,70 @@ def _gemm_kind(instruction: Instruction) -> str | None:
   return None
 
 
-def _contraction_size(instruction: Instruction, operand_shapes: list) -> int:
+def _window(attributes: str) -> dict:
+  """A convolution's window fields per spatial dimension: pad (lo, hi), stride, lhs_dilate."""
+  found = re.search(r'window=\{([^}]*)\}', attributes)
+  out = {}
+  for field, value in re.findall(r'(\w+)=([\d_x]+)', found.group(1) if found else ''):
+    if field == 'pad':
+      out['pad'] = [tuple(int(v) for v in part.split('_')) for part in value.split('x')]
+    elif field in ('stride', 'lhs_dilate'):
+      out[field] = [int(v) for v in value.split('x')]
+  return out
+
+
+def window_taps(lhs_size: int, window: int, pad=(0, 0), stride: int = 1,
+                lhs_dilate: int = 1) -> float:
+  """Real lhs elements a window dimension's window meets per output position, on average.
+
+  The lhs (dilated: `lhs_dilate - 1` holes between elements) is padded by `pad` and the
+  window slides by `stride`; holes and padding hold zeros, which the MXU never multiplies
+  (the window is how XLA:TPU writes a batched matmul's batch dimension: one real element).
+
+  Example:
+    >>> window_taps(5, 3)                          # a plain valid convolution: the window
+    3.0
+    >>> window_taps(1, 32, pad=(31, 31))           # a padded size-1 dimension: one element
+    1.0
+    >>> window_taps(4, 4, stride=3, lhs_dilate=4)  # a dilated one: one element
+    1.0
+  """
+  extent = (lhs_size - 1) * lhs_dilate + 1
+  outputs = (extent + pad[0] + pad[1] - window) // stride + 1
+  if outputs <= 0:
+    return 0.0
+  taps = 0
+  for o in range(outputs):
+    for k in range(window):
+      p = o * stride + k - pad[0]
+      taps += 0 <= p < extent and p % lhs_dilate == 0
+  return taps / outputs
+
+
+def _contraction_size(instruction: Instruction, operand_shapes: list) -> float:
   """Elements summed per output element (K), or 0 when the operands are unknown."""
   if not operand_shapes or operand_shapes[0] is None:
     return 0
   attributes = instruction.attributes
   if instruction.opcode == 'convolution':
     # dim_labels=<lhs>_<rhs>-><out>: every rhs dimension but the output feature 'o' is summed;
-    # a window dimension over an lhs dilated by d meets ceil(size / d) real elements (a TPU
-    # batched matmul is a convolution whose batch dimensions are windows of size = dilation:
-    # one element each).
-    labels = re.search(r'dim_labels=\w+_(\w+)->', attributes)
+    # a window dimension sums the real lhs elements its window meets (window_taps: a TPU
+    # batched matmul is a convolution whose batch dimensions are windows over a dilated or
+    # padded lhs, one real element each).
+    labels = re.search(r'dim_labels=(\w+)_(\w+)->', attributes)
+    lhs = operand_shapes[0]
     rhs = operand_shapes[1] if len(operand_shapes) > 1 else None
-    if not labels or rhs is None or len(labels.group(1)) != len(rhs):
+    if not labels or rhs is None or len(labels.group(2)) != len(rhs):
       return 0
-    dilation = re.search(r'lhs_dilate=([\dx]+)', attributes)
-    dilation = [int(d) for d in dilation.group(1).split('x')] if dilation else []
-    size = 1
-    for d, label in zip(rhs, labels.group(1)):
-      if label.isdigit() and int(label) < len(dilation):
-        size *= -(-d // dilation[int(label)])
+    window = _window(attributes)
+    size = 1.0
+    for d, label in zip(rhs, labels.group(2)):
+      if label.isdigit():
+        spatial = int(label)
+        lhs_size = (lhs[labels.group(1).index(label)]
+                    if label in labels.group(1) and len(lhs) == len(labels.group(1)) else d)
+        size *= window_taps(lhs_size, d, **{key: values[spatial] for key, values
+                                            in window.items() if spatial < len(values)})
       elif label != 'o':
         size *= d
     return size
@@ -574,8 +618,8 @@ def parse(hlo_text: str) -> Inventory:
                   if o in instructions else ('?', None) for o in instruction.operands[:2]]
       operands += [('?', None)] * (2 - len(operands))
       op_name = _OP_NAME.search(instruction.attributes)
-      flops = 2 * math.prod(result_shape) * _contraction_size(
-          instruction, [shape for _, shape in operands])
+      flops = round(2 * math.prod(result_shape) * _contraction_size(
+          instruction, [shape for _, shape in operands]))
       gemms.append(Gemm(kind, operands[0][0], operands[1][0], result_dtype, result_shape,
                         op_name.group(1) if op_name else '', instruction.computation,
                         branch_of[name], count, flops, name))
