@@ -85,6 +85,36 @@ def projection_cells() -> list:
                                       size[c['config']]))
 
 
+# Issue 44, the step around the GEMMs: the train step as it is compiled since (attention 'auto':
+# cuDNN flash attention on a GPU, splash on a TPU; the fused chunked loss; bf16 GEMM results;
+# the static layers unrolled on a GPU without remat). Named with attention='auto' so that they
+# stand apart from the projection cells compiled before (main b11f6ea), their "before".
+FAST = {'attention': 'auto'}
+# Sequences of 2048 tokens (LLaMA-2 trains at 4096): per-device batches that fit (--fit_batch).
+LONG = {'attention': 'auto', 'seq_len': 2048}
+
+
+def fast_step_cells() -> list:
+  """Issue 44's matrix: the goals' configs first (1b and 7b on the GPUs, 1b on v6e-1), then
+  the low-cost paths on the fast step, the small sizes, and 2048-token sequences."""
+  cell = aot_compiled.cell
+  cells = []
+  for target in ('h100', 'h200', 'b200'):
+    cells += [cell(target, 'llama:1b', 'bf16', 'static', **FAST),
+              cell(target, 'llama:7b', 'bf16', 'static', **FAST)]
+  cells += [cell('v6e-1', 'llama:1b', path, 'static', 32, **FAST) for path in ('bf16', 'int8')]
+  for target in ('h100', 'h200'):
+    cells += [cell(target, config, path, mode, **FAST)
+              for config in ('llama:1b', 'llama:7b')
+              for path, mode in (('fp8', 'static'), ('int8', 'static'), ('fp8', 'gnmr'))]
+  cells += [cell('h100', config, path, 'static', **FAST)
+            for config in ('llama:60m', 'llama:350m') for path in ('bf16', 'fp8')]
+  cells += [cell('h100', 'llama:1b', 'bf16', 'static', 16, **LONG),
+            cell('v6e-8', 'llama:1b', 'bf16', 'static', 4, {'fsdp': -1}, **LONG),
+            cell('v5p-8', 'llama:1b', 'bf16', 'static', 4, {'fsdp': -1}, **LONG)]
+  return cells
+
+
 def _stamp() -> dict:
   return {'date': str(datetime.date.today()), 'host': platform.node(), 'cpus': os.cpu_count(),
           'machine': platform.machine()}
@@ -129,9 +159,10 @@ def compile_projection(c) -> dict:
   for axis, size in c['mesh'].items():
     config.mesh[axis] = size
   for field, value in c['overrides'].items():
-    section = config.model if field in config.model else config.precision
-    if field not in section:
-      raise ValueError(f'config.precision has no field {field!r} yet')
+    section = next((group for group in (config.model, config.data, config.precision)
+                    if field in group), None)
+    if section is None:
+      raise ValueError(f'config.model / data / precision have no field {field!r} yet')
     section[field] = value
   start = time.perf_counter()
   report = compile_lib.compile_config(config, target, steps=('train',), keep_hlo=True)
@@ -147,9 +178,9 @@ def compile_projection(c) -> dict:
   return out
 
 
-def projections(redo=False, compile_missing=True, only='') -> tuple[list, list]:
+def projections(redo=False, compile_missing=True, only='', cells=None) -> tuple[list, list]:
   reports, missing = [], []
-  for c in projection_cells():
+  for c in projection_cells() if cells is None else cells:
     name = 'projection__' + aot_compiled.cell_name(c)
     if only and only not in name:
       continue
@@ -360,6 +391,60 @@ def projection_table(reports, cal) -> list:
   return lines
 
 
+def _gemm_share(step: step_time.StepTime) -> float:
+  return sum(v for k, v in step.by_category.items() if k.startswith('gemm')) / step.total_s
+
+
+def fast_step_table(fast_reports, before_reports) -> list:
+  """Issue 44: each fast-step cell beside the projection cell of main b11f6ea it replaces."""
+  before = {}
+  for r in before_reports:
+    c = r['cell']
+    if not c['overrides'] and r['kernels']:
+      before[(r['target'], c['config'], c['path'], c['mode'], c['per_device_batch'])] = r
+  lines = ['### The step around the GEMMs (issue 44): model output, today\'s step beside main '
+           'b11f6ea\'s', '',
+           'Each row prices the train step compiled as it is built now (attention \'auto\': '
+           'cuDNN flash attention on a GPU, Pallas splash on a TPU; the fused chunked loss; bf16 '
+           'GEMM results; the static step\'s layers unrolled on a GPU when it does not '
+           'rematerialise) beside the same cell compiled at main b11f6ea (XLA attention with '
+           'float32 scores, float32 [B, S, V] logits into optax\'s loss, float32 GEMM results, '
+           'layers in a scan). Same device constants and no fitted constant; flash-attention '
+           'kernels are priced at published efficiencies (device_specs.ATTENTION_EFFICIENCY): '
+           'attention has no measured anchor. "gemm" = every GEMM category; "attn + other" = '
+           'attention, other, launch, conditionals. temp: XLA\'s temporaries per device.', '',
+           '| target | config | batch x seq | path | mode | fits | model ms before -> now '
+           '| speed-up | gemm share before -> now | attn + other before -> now '
+           '| temp GB before -> now | where the time goes now |', '|' + '---|' * 12]
+  for r in fast_reports:
+    c = r['cell']
+    batch = f"{r['batch_size']} x {r['seq_len']}" + (
+        f" on {r['num_devices']}" if r['num_devices'] > 1 else '')
+    if not r['kernels']:
+      lines.append(f"| {r['target']} | {c['config']} | {batch} | {c['path']} | {c['mode']} "
+                   f"| no ({(r['error'] or '')[:50]}) |" + ' - |' * 6)
+      continue
+    spec = device_specs.get_spec(r['target'])
+    now = step_time.price(r['kernels'], spec)
+    old = before.get((r['target'], c['config'], c['path'], c['mode'], c['per_device_batch']))
+    rest = lambda t: sum(t.by_category[k] for k in ('attention', 'other', 'launch',
+                                                    'conditionals')) / t.total_s
+    if old:
+      was = step_time.price(old['kernels'], spec)
+      cols = (f'{was.total_s * 1e3:.1f} -> {now.total_s * 1e3:.1f}',
+              f'{was.total_s / now.total_s:.2f}x',
+              f'{100 * _gemm_share(was):.0f}% -> {100 * _gemm_share(now):.0f}%',
+              f'{100 * rest(was):.0f}% -> {100 * rest(now):.0f}%',
+              f"{old['memory']['temp'] / 1e9:.2f} -> {r['memory']['temp'] / 1e9:.2f}")
+    else:
+      cols = (f'- -> {now.total_s * 1e3:.1f}', '-', f'- -> {100 * _gemm_share(now):.0f}%',
+              f'- -> {100 * rest(now):.0f}%', f"- -> {r['memory']['temp'] / 1e9:.2f}")
+    lines.append(f"| {r['target']} | {c['config']} | {batch} | {c['path']} | {c['mode']} "
+                 f"| {'yes' if r['fits'] else 'no'} | " + ' | '.join(cols)
+                 + f' | {_shares(now)} |')
+  return lines + ['']
+
+
 def design_notes(reports) -> list:
   """What the projection says: per (target, config), the low-cost paths' gain and what eats it."""
   by_key = {}
@@ -412,7 +497,8 @@ def design_notes(reports) -> list:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--part', choices=('calibration', 'projections', 'both'), default='both')
+  parser.add_argument('--part', choices=('calibration', 'projections', 'both', 'fast_step'),
+                      default='both')
   parser.add_argument('--only', default='', help='projection cells whose name contains this')
   parser.add_argument('--redo', action='store_true', help='recompile cells that have a JSON')
   parser.add_argument('--no_compile', action='store_true',
@@ -444,6 +530,17 @@ def main():
         f"{device_specs.SPECS['h200'].sources['f32']}; TPU: {device_specs.SPECS['v6e'].sources['f32']}."
         " fp4 / mxfp8 / fp8 on a chip without them: the bf16 rate.\n")
   print('\n'.join(calibration_tables(cal)))
+  if args.part == 'fast_step':  # issue 44's cells, beside the projections they replace
+    fast, missing = projections(args.redo, not args.no_compile, args.only, fast_step_cells())
+    before, _ = projections(compile_missing=False)
+    for date, versions in sorted({(r['compiled_on']['date'], ', '.join(
+        f'{k} {v}' for k, v in sorted(r['versions'].items()))) for r in fast}):
+      print(f'# fast-step cells compiled {date}: {versions}')
+    print()
+    print('\n'.join(fast_step_table(fast, before)))
+    if missing:
+      print(f'# {len(missing)} fast-step cells not compiled yet: {", ".join(missing)}')
+    return
   reports, missing = projections(args.redo, not args.no_compile and args.part != 'calibration',
                                  args.only)
   if reports:

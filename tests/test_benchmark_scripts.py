@@ -29,6 +29,8 @@ def _run(*args):
     (('benchmarks/routing.py', '--paths', 'int8,saved_activation', '--compile_only'),
      ('saved_activation | routed unroll=8', 'routed_empty_over_static')),
     (('benchmarks/compile_cost.py', '--models', 'tiny', '--seq', '32'), ('tiny | 4 | 28 |',)),
+    (('benchmarks/fast_step.py', '--model', 'tiny', '--batch', '2', '--seq', '32', '--paths',
+      'int8', '--compile_only'), ('bf16 | reference |', 'int8 | both |', 'fast_step_speedup')),
 ])
 def test_benchmark_script_runs_compile_only(args, expect):
   stdout = _run(*args)
