@@ -204,33 +204,33 @@ def validate_model_config(cfg: ml_collections.ConfigDict) -> None:
         f'got {cfg.remat!r}')
 
 
-# scan_unroll=-1 for a static step, per platform: a GPU runs the layers unrolled unless the
-# model rematerialises its blocks. A scanned GPU step without remat pays for its loop in memory
-# traffic that an unrolled one does not have (compiled for an H200, 60m: zero-filled stacked
-# outputs, residual stacks copied in and sliced out, layout transposes of whole stacks: 1.38x
-# the unrolled step's modelled time, BENCHMARKS.md); under full remat only the per-layer carry
-# is stacked and the scan costs 1-2% there for 8x less compile time. TPU and CPU stay rolled
-# (no measurement says otherwise; the TPU compile of an unrolled 1B step takes 2x as long).
+# scan_unroll=-1 for a static step, per platform: a GPU runs the layers unrolled, as the routed
+# step does and as MaxText's H100 recipe does (scan_layers=false). A scanned GPU step pays for
+# its loop in memory traffic and memory an unrolled one does not have (compiled for an H200:
+# zero-filled stacked outputs and gradients, residual stacks copied in and sliced out, layout
+# transposes of whole stacks; 60m without remat 1.38x the unrolled step's modelled time; 1b and
+# 7b under remat ~1% slower with 18-21% more temporaries: BENCHMARKS.md), for a compile a few
+# times faster. TPU and CPU stay rolled (no measurement says otherwise; an unrolled TPU step
+# compiles ~2x longer).
 UNROLLED_STATIC_PLATFORMS = ('gpu', 'cuda', 'rocm')
 
 
 def static_scan_unroll(cfg: ml_collections.ConfigDict, platform: str) -> int:
   """The layer scan's `unroll=` for a static (unrouted) step of `cfg` on `platform`.
 
-  `cfg.scan_unroll` itself unless it is -1 (per backend): then `num_layers` on a GPU when
-  `cfg.remat` is 'none' (or False), else 1.
+  `cfg.scan_unroll` itself unless it is -1 (per backend): then `num_layers` on a GPU, else 1.
 
   Example:
     >>> cfg = model_config('60m')
     >>> static_scan_unroll(cfg, 'gpu'), static_scan_unroll(cfg, 'tpu')
     (8, 1)
-    >>> static_scan_unroll(model_config('1b'), 'gpu')   # remat 'full': the scan stays
-    1
+    >>> cfg.scan_unroll = 2   # a layout asked for is kept
+    >>> static_scan_unroll(cfg, 'gpu')
+    2
   """
   if cfg.scan_unroll != -1:
     return cfg.scan_unroll
-  no_remat = cfg.remat in ('none', False)
-  return cfg.num_layers if platform in UNROLLED_STATIC_PLATFORMS and no_remat else 1
+  return cfg.num_layers if platform in UNROLLED_STATIC_PLATFORMS else 1
 
 
 def param_count(cfg: ml_collections.ConfigDict) -> int:

@@ -104,10 +104,9 @@ def test_every_named_config_validates():
 
 @pytest.mark.parametrize('name, platform, expect', [
     ('60m', 'gpu', 8), ('60m', 'cuda', 8), ('60m', 'tpu', 1), ('60m', 'cpu', 1),
-    ('1b', 'gpu', 1),   # remat 'full': the stacked carry only, the scan stays
+    ('1b', 'gpu', 24), ('1b', 'tpu', 1),
 ])
-def test_a_static_step_unrolls_its_layers_on_a_gpu_unless_it_rematerialises(
-    name, platform, expect):
+def test_a_static_step_unrolls_its_layers_on_a_gpu_only(name, platform, expect):
   cfg = model_config(name)
   assert cfg.scan_unroll == -1
   assert static_scan_unroll(cfg, platform) == expect
