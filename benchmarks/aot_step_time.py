@@ -495,6 +495,26 @@ def design_notes(reports) -> list:
   return lines + ['']
 
 
+def fast_step(args) -> None:
+  """Issue 44's cells (compiled where missing unless --no_compile), beside main b11f6ea's."""
+  fast, missing = projections(args.redo, not args.no_compile, args.only, fast_step_cells())
+  before, _ = projections(compile_missing=False)
+  print('# The roofline model (gnmr_jax/aot/step_time.py, device constants and fitted constant '
+        'as calibrated in "Step time on paper" below) over deviceless-compiled programs; every '
+        'figure is a model output priced from benchmarks/results/step_time/*.json')
+  for date, versions in sorted({(r['compiled_on']['date'], ', '.join(
+      f'{k} {v}' for k, v in sorted(r['versions'].items()))) for r in fast}):
+    print(f'# fast-step cells compiled {date}: {versions}')
+  print('\n### Flash-attention efficiencies (device_specs.ATTENTION_EFFICIENCY: published, no '
+        'anchor here)\n')
+  print('\n'.join(device_specs.attention_table()))
+  print()
+  print('\n'.join(fast_step_table(fast, before)))
+  if missing:
+    print(f'# {len(missing)} fast-step cells not compiled yet (--part fast_step resumes them): '
+          f'{", ".join(missing)}')
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--part', choices=('calibration', 'projections', 'both', 'fast_step'),
@@ -505,6 +525,9 @@ def main():
                       help='tables from the JSONs there are; list the cells still to compile')
   args = parser.parse_args()
   os.makedirs(RESULTS, exist_ok=True)
+  if args.part == 'fast_step':
+    fast_step(args)
+    return
   if not args.no_compile and args.part in ('calibration', 'both'):
     compile_calibration(args.redo)
   calibration = _load_calibration()
@@ -530,17 +553,6 @@ def main():
         f"{device_specs.SPECS['h200'].sources['f32']}; TPU: {device_specs.SPECS['v6e'].sources['f32']}."
         " fp4 / mxfp8 / fp8 on a chip without them: the bf16 rate.\n")
   print('\n'.join(calibration_tables(cal)))
-  if args.part == 'fast_step':  # issue 44's cells, beside the projections they replace
-    fast, missing = projections(args.redo, not args.no_compile, args.only, fast_step_cells())
-    before, _ = projections(compile_missing=False)
-    for date, versions in sorted({(r['compiled_on']['date'], ', '.join(
-        f'{k} {v}' for k, v in sorted(r['versions'].items()))) for r in fast}):
-      print(f'# fast-step cells compiled {date}: {versions}')
-    print()
-    print('\n'.join(fast_step_table(fast, before)))
-    if missing:
-      print(f'# {len(missing)} fast-step cells not compiled yet: {", ".join(missing)}')
-    return
   reports, missing = projections(args.redo, not args.no_compile and args.part != 'calibration',
                                  args.only)
   if reports:

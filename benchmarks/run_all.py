@@ -46,6 +46,8 @@ SCRIPTS = [
     # Cells under benchmarks/results/step_time/ (--part calibration / projections resume them).
     ("Step time on paper: a roofline model calibrated on the H200 anchors (issue 39)",
      ["benchmarks/aot_step_time.py", "--no_compile"]),
+    ("The step around the GEMMs: attention kernels, fused loss, layer layout (issue 44)",
+     ["benchmarks/aot_step_time.py", "--part", "fast_step", "--no_compile"]),
 ]
 AOT_PYTHON = os.path.join(ROOT, ".venv-aot", "bin", "python")  # scripts named aot_* run there
 

@@ -233,8 +233,19 @@ def _shard_mapped(kernel, q_BxSxHxD: Array, k_BxTxKxD: Array, v_BxTxKxD: Array) 
   batch = _mesh_entry(mesh, 'batch', q_BxSxHxD.shape[0], taken)
   heads = _mesh_entry(mesh, 'heads', math.gcd(q_BxSxHxD.shape[2], k_BxTxKxD.shape[2]), taken)
   spec = PartitionSpec(batch, None, heads, None)
+  operands = (q_BxSxHxD, k_BxTxKxD, v_BxTxKxD)
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == jax.sharding.AxisType.Explicit}
+  if explicit:  # typed shardings: the operands are resharded to what the kernel's map takes
+    typed = PartitionSpec(*(_only(entry, explicit) for entry in spec))
+    operands = tuple(jax.sharding.reshard(x, typed) for x in operands)
   return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
-                       check_vma=False)(q_BxSxHxD, k_BxTxKxD, v_BxTxKxD)
+                       check_vma=False)(*operands)
+
+
+def _only(entry, axes: set):
+  kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in axes)
+  return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def attention(q_BxSxHxD: Array, k_BxTxKxD: Array, v_BxTxKxD: Array, impl: str, *,

@@ -130,9 +130,10 @@ def test_splash_in_its_interpreter_equals_the_reference_forward_and_gradients(dt
                                atol=atol * scale * 4, rtol=0, err_msg=f'd{name}')
 
 
-def test_splash_sharded_over_batch_and_heads_equals_the_unsharded_kernel():
+@pytest.mark.parametrize('axis_type', ['auto', 'explicit'])
+def test_splash_sharded_over_batch_and_heads_equals_the_unsharded_kernel(axis_type):
   mesh = jax.make_mesh((2, 2, 2), sharding.MESH_AXES,
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+                       axis_types=(sharding.AXIS_TYPES[axis_type],) * 3)
   q, k, v = qkv(batch=4)
   weights = jax.random.normal(jax.random.key(7), q.shape, jnp.float32)
   expected = loss_of('splash', weights, interpret=True)(q, k, v)

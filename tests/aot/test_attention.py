@@ -1,5 +1,6 @@
 """Attention compiled for each backend: cuDNN flash attention on GPUs that run it, Pallas splash
-on TPU, XLA where no kernel applies; no float32 score buffer where a kernel runs."""
+on TPU, XLA where no kernel applies; no float32 score buffer where a kernel runs, and no float32
+[B, S, V] logits with the fused loss."""
 
 import re
 
@@ -10,7 +11,9 @@ from aot_helpers import compiled
 # The tier config in bf16 with 4 query heads over 2 kv heads of 16 (grouped-query attention)
 # and a sequence of 384 = 3 x 128 (splash's block; a length no other dimension has).
 SEQ = 384
-SHAPE = dict(dtype='bfloat16', num_heads=4, num_kv_heads=2, max_seq_len=SEQ)
+# The loss in 4 chunks of 96 positions (the byte vocabulary's default is one chunk).
+SHAPE = dict(dtype='bfloat16', num_heads=4, num_kv_heads=2, max_seq_len=SEQ, loss_chunks=4)
+VOCAB = 256  # the byte tokenizer's ids (a multiple of train_loop.VOCAB_MULTIPLE already)
 KERNEL_CALLS = {'cudnn': ('__cudnn$fmhaSoftmax"', '__cudnn$fmhaSoftmaxBackward"'),
                 'splash': ('splash_mha_fwd', 'splash_mha_dq', 'splash_mha_dkv')}
 
@@ -32,8 +35,9 @@ def _f32_with_two_seq_axes(inventory) -> list:
 
 
 # a100 is the lowest compute capability cuDNN flash attention takes (8.0), t4 (7.5) below it.
-@pytest.mark.parametrize('target,expect', [('h100', 'cudnn'), ('a100', 'cudnn'),
-                                           ('t4', 'xla'), ('v5e-1', 'splash')])
+@pytest.mark.parametrize('target,expect', [
+    ('h100', 'cudnn'), ('h200', 'cudnn'), ('b200', 'cudnn'), ('a100', 'cudnn'), ('l4', 'cudnn'),
+    ('t4', 'xla'), ('v5e-1', 'splash'), ('v6e-1', 'splash')])
 def test_the_report_names_the_kernel_auto_resolved_to_and_the_program_runs_it(target, expect):
   report, inventory = _step(target)
   assert report['attention'] == expect
@@ -45,3 +49,7 @@ def test_the_report_names_the_kernel_auto_resolved_to_and_the_program_runs_it(ta
     assert _f32_with_two_seq_axes(inventory)
   else:
     assert not _f32_with_two_seq_axes(inventory), _f32_with_two_seq_axes(inventory)[:3]
+  # The fused loss (model.loss_chunks): no float32 logits of the whole [B, S, V] anywhere.
+  whole = {f'f32[2,{SEQ},{VOCAB}]', f'f32[{2 * SEQ},{VOCAB}]'}
+  assert not [i.name for i in inventory.instructions.values()
+              if any(shape in i.type for shape in whole)]
