@@ -11,8 +11,10 @@ from aot_helpers import compiled
 # The tier config in bf16 with 4 query heads over 2 kv heads of 16 (grouped-query attention)
 # and a sequence of 384 = 3 x 128 (splash's block; a length no other dimension has).
 SEQ = 384
-# The loss in 4 chunks of 96 positions (the byte vocabulary's default is one chunk).
-SHAPE = dict(dtype='bfloat16', num_heads=4, num_kv_heads=2, max_seq_len=SEQ, loss_chunks=4)
+# The loss in 4 chunks of 96 positions (the byte vocabulary's default is one chunk); an MLP
+# width whose merged gate/up GEMM (2 x 160) is no vocabulary-sized array.
+SHAPE = dict(dtype='bfloat16', num_heads=4, num_kv_heads=2, max_seq_len=SEQ, loss_chunks=4,
+             ffn_dim=160)
 VOCAB = 256  # the byte tokenizer's ids (a multiple of train_loop.VOCAB_MULTIPLE already)
 KERNEL_CALLS = {'cudnn': ('__cudnn$fmhaSoftmax"', '__cudnn$fmhaSoftmaxBackward"'),
                 'splash': ('splash_mha_fwd', 'splash_mha_dq', 'splash_mha_dkv')}
