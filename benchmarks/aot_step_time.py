@@ -87,7 +87,7 @@ def projection_cells() -> list:
 
 # Issue 44, the step around the GEMMs: the train step as it is compiled since (attention 'auto':
 # cuDNN flash attention on a GPU, splash on a TPU; the fused chunked loss; bf16 GEMM results;
-# the static layers unrolled on a GPU without remat). Named with attention='auto' so that they
+# the static step's layers unrolled on a GPU). Named with attention='auto' so that they
 # stand apart from the projection cells compiled before (main b11f6ea), their "before".
 FAST = {'attention': 'auto'}
 # Sequences of 2048 tokens (LLaMA-2 trains at 4096): per-device batches that fit (--fit_batch).
@@ -406,8 +406,8 @@ def fast_step_table(fast_reports, before_reports) -> list:
            'b11f6ea\'s', '',
            'Each row prices the train step compiled as it is built now (attention \'auto\': '
            'cuDNN flash attention on a GPU, Pallas splash on a TPU; the fused chunked loss; bf16 '
-           'GEMM results; the static step\'s layers unrolled on a GPU when it does not '
-           'rematerialise) beside the same cell compiled at main b11f6ea (XLA attention with '
+           'GEMM results; the static step\'s layers unrolled on a GPU) beside the same cell '
+           'compiled at main b11f6ea (XLA attention with '
            'float32 scores, float32 [B, S, V] logits into optax\'s loss, float32 GEMM results, '
            'layers in a scan). Same device constants and no fitted constant; flash-attention '
            'kernels are priced at published efficiencies (device_specs.ATTENTION_EFFICIENCY): '
