@@ -55,7 +55,10 @@ def execute(name, env, cwd, monkeypatch):
   # The kernel spec is looked up in this process, so JUPYTER_PATH must be set here too.
   monkeypatch.setenv("JUPYTER_PATH", env["JUPYTER_PATH"])
   nb = nbformat.read(os.path.join(REPO, "notebooks", name), as_version=4)
-  client = NotebookClient(nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT_S,
+  # iopub_timeout: how long a finished cell's output may lag its reply before nbclient drops it
+  # silently (default 4 s); on 2 loaded cores a summary print once arrived later (2026-12-07).
+  client = NotebookClient(nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT_S, iopub_timeout=60,
+                          raise_on_iopub_timeout=True,
                           resources={"metadata": {"path": str(cwd)}})
   client.execute(env=env)
   return nb
