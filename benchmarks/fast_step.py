@@ -25,7 +25,6 @@ import sys
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import optax
 

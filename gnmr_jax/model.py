@@ -249,7 +249,7 @@ class Attention(nn.Module):
     dtype, param_dtype = _dtypes(cfg)
     batch, seq_len, d_model = x_BxSxD.shape
     heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
-    head_dim, group = d_model // heads, heads // kv_heads
+    head_dim = d_model // heads
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
     def proj(name, features, axes, std, x, side):
