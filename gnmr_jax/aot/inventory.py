@@ -474,10 +474,11 @@ def window_taps(lhs_size: int, window: int, pad=(0, 0), stride: int = 1,
   if outputs <= 0:
     return 0.0
   taps = 0
-  for o in range(outputs):
-    for k in range(window):
-      p = o * stride + k - pad[0]
-      taps += 0 <= p < extent and p % lhs_dilate == 0
+  for o in range(outputs):  # the window of output o covers dilated positions [first, last]
+    first = max(0, o * stride - pad[0])
+    last = min(extent - 1, o * stride - pad[0] + window - 1)
+    if last >= first:  # the real elements among them: multiples of the dilation
+      taps += last // lhs_dilate - -(-first // lhs_dilate) + 1
   return taps / outputs
 
 
