@@ -45,6 +45,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from gnmr_jax import sharding
+from gnmr_jax.precision.native_microscaling import compute_capability
+
 IMPLS = ('auto', 'xla', 'cudnn', 'splash')
 # cuDNN's fused attention (SDPA) needs Ampere or later.
 MIN_CUDNN_CAPABILITY = (8, 0)
@@ -58,14 +61,6 @@ MIN_SPLASH_BLOCKS = 4
 Array = jax.Array
 
 
-def _capability(device) -> tuple[int, int] | None:
-  try:
-    major, minor = (int(p) for p in str(device.compute_capability).split('.')[:2])
-  except (AttributeError, ValueError):  # CPU, TPU, ROCm
-    return None
-  return major, minor
-
-
 def _unsupported(impl: str, device, seq_len: int, head_dim: int, dtype: str) -> str | None:
   """Why `impl` cannot run these shapes on `device`, or None when it can."""
   platform = device.platform
@@ -73,7 +68,7 @@ def _unsupported(impl: str, device, seq_len: int, head_dim: int, dtype: str) -> 
   if impl == 'cudnn':
     if platform not in ('gpu', 'cuda'):
       return f'cuDNN flash attention runs on NVIDIA GPUs; the device is {where}'
-    capability = _capability(device)
+    capability = compute_capability(device)
     if capability is not None and capability < MIN_CUDNN_CAPABILITY:
       return (f'cuDNN flash attention needs compute capability >= 8.0; the device is {where}, '
               f'compute capability {capability[0]}.{capability[1]}')
@@ -210,13 +205,12 @@ def splash_attention(q_BxSxHxD: Array, k_BxTxKxD: Array, v_BxTxKxD: Array, *,
 def _mesh_entry(mesh, logical: str, size: int, taken: set):
   """The context mesh axes the logical axis rules give `logical`, if they divide `size`."""
   rules = nn.get_logical_axis_rules()
-  entry = dict(rules).get(logical) if rules else None
-  axes = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ())
+  axes = tuple(a for a in sharding.entry_axes(dict(rules).get(logical) if rules else None)
                if a in mesh.axis_names and a not in taken)
   if not axes or size % math.prod(mesh.shape[a] for a in axes):
     return None
   taken.update(axes)
-  return axes[0] if len(axes) == 1 else axes
+  return sharding.spec_entry(axes)
 
 
 def _shard_mapped(kernel, q_BxSxHxD: Array, k_BxTxKxD: Array, v_BxTxKxD: Array) -> Array:
@@ -234,18 +228,13 @@ def _shard_mapped(kernel, q_BxSxHxD: Array, k_BxTxKxD: Array, v_BxTxKxD: Array) 
   heads = _mesh_entry(mesh, 'heads', math.gcd(q_BxSxHxD.shape[2], k_BxTxKxD.shape[2]), taken)
   spec = PartitionSpec(batch, None, heads, None)
   operands = (q_BxSxHxD, k_BxTxKxD, v_BxTxKxD)
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == jax.sharding.AxisType.Explicit}
+  explicit = sharding.explicit_axis_names(mesh)
   if explicit:  # typed shardings: the operands are resharded to what the kernel's map takes
-    typed = PartitionSpec(*(_only(entry, explicit) for entry in spec))
+    typed = PartitionSpec(*(sharding.spec_entry(tuple(
+        a for a in sharding.entry_axes(entry) if a in explicit)) for entry in spec))
     operands = tuple(jax.sharding.reshard(x, typed) for x in operands)
   return jax.shard_map(kernel, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec,
                        check_vma=False)(*operands)
-
-
-def _only(entry, axes: set):
-  kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in axes)
-  return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def attention(q_BxSxHxD: Array, k_BxTxKxD: Array, v_BxTxKxD: Array, impl: str, *,

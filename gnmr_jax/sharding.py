@@ -310,20 +310,23 @@ def opt_state_shardings(abstract_opt_state, abstract_params, param_shardings, re
 # only asserts it, so these reshard instead (`jax.sharding.reshard`), explicit axis by axis.
 
 
-def _explicit_axis_names(mesh) -> frozenset:
+def explicit_axis_names(mesh) -> frozenset:
+  """The names of `mesh`'s axes of type Explicit (none for an empty mesh)."""
   if mesh.empty:
     return frozenset()
   return frozenset(n for n, t in zip(mesh.axis_names, mesh.axis_types)
                    if t == AxisType.Explicit)
 
 
-def _entry_axes(entry) -> tuple:
+def entry_axes(entry) -> tuple:
+  """A PartitionSpec entry (None, an axis name or a tuple of names) as a tuple of names."""
   if entry is None:
     return ()
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def _spec_entry(axes: tuple):
+def spec_entry(axes: tuple):
+  """A tuple of axis names as a PartitionSpec entry (None, one name, or the tuple)."""
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
@@ -337,19 +340,19 @@ def constrain(x: jax.Array, logical_axes: tuple) -> jax.Array:
   the reshard for its explicit axes, the constraint for its auto ones.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  explicit = _explicit_axis_names(mesh)
+  explicit = explicit_axis_names(mesh)
   rules = nn.get_logical_axis_rules()
   if not explicit or not rules:
     return nn.with_logical_constraint(x, logical_axes)
   spec = tuple(nn.logical_to_mesh_axes(logical_axes, rules))
   explicit_spec, auto_spec = [], []
   for size, entry in zip(x.shape, spec):
-    axes = _entry_axes(entry)
+    axes = entry_axes(entry)
     on_explicit = tuple(a for a in axes if a in explicit)
     if size % math.prod(mesh.shape[a] for a in on_explicit):
       on_explicit = ()
-    explicit_spec.append(_spec_entry(on_explicit))
-    auto_spec.append(_spec_entry(tuple(a for a in axes if a not in explicit)))
+    explicit_spec.append(spec_entry(on_explicit))
+    auto_spec.append(spec_entry(tuple(a for a in axes if a not in explicit)))
   x = jax.sharding.reshard(x, PartitionSpec(*explicit_spec))
   if any(auto_spec):
     x = jax.lax.with_sharding_constraint(x, PartitionSpec(*auto_spec))
@@ -365,7 +368,7 @@ def gather_weight(weight: jax.Array, logical_axes: tuple, gathered: str = 'embed
   they are; its transpose, in the backward pass, reduce-scatters the weight gradient back
   to the FSDP layout. Auto axes or no mesh: `weight` unchanged (the partitioner gathers).
   """
-  if not _explicit_axis_names(jax.sharding.get_abstract_mesh()):
+  if not explicit_axis_names(jax.sharding.get_abstract_mesh()):
     return weight
   spec = tuple(jax.typeof(weight).sharding.spec)
   spec += (None,) * (weight.ndim - len(spec))
@@ -378,4 +381,4 @@ def gather_weight(weight: jax.Array, logical_axes: tuple, gathered: str = 'embed
 
 def is_explicit() -> bool:
   """Whether the context mesh (`jax.set_mesh`) has explicit axes."""
-  return bool(_explicit_axis_names(jax.sharding.get_abstract_mesh()))
+  return bool(explicit_axis_names(jax.sharding.get_abstract_mesh()))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax
 
+from gnmr_jax.precision import native_microscaling
+
 # Device names of GPUs with fp8 tensor cores, for runtimes that report no CUDA capability.
 FP8_GPU_NAMES = ("H100", "H200", "H800", "H20", "L4", "L40", "Ada", "RTX 40", "RTX 50",
                  "B100", "B200", "GB200", "Blackwell")
@@ -30,9 +32,7 @@ def default_low_cost_path(device=None) -> str:
   device = device if device is not None else jax.devices()[0]
   if device.platform not in ("gpu", "cuda", "rocm"):
     return "int8"
-  capability = getattr(device, "compute_capability", None)
-  try:
-    major, minor = (int(p) for p in str(capability).split(".")[:2])
-    return "fp8" if (major, minor) >= (8, 9) else "int8"
-  except ValueError:  # no CUDA capability (e.g. ROCm 'gfx942'): go by the device name
+  capability = native_microscaling.compute_capability(device)
+  if capability is None:  # no CUDA capability (e.g. ROCm 'gfx942'): go by the device name
     return "fp8" if any(n in device.device_kind for n in FP8_GPU_NAMES) else "int8"
+  return "fp8" if capability >= (8, 9) else "int8"

@@ -50,7 +50,8 @@ BLOCK_SCALED_GPU_NAMES = ('B100', 'B200', 'B300', 'GB200', 'GB300', 'Blackwell')
 MIN_CAPABILITY = (10, 0)
 
 
-def _capability(device) -> tuple[int, int] | None:
+def compute_capability(device) -> tuple[int, int] | None:
+  """A CUDA device's compute capability (major, minor), or None (CPU, TPU, ROCm, unreported)."""
   try:
     major, minor = (int(p) for p in str(device.compute_capability).split('.')[:2])
   except (AttributeError, ValueError):  # CPU, TPU, ROCm's 'gfx950'
@@ -68,14 +69,14 @@ def supports_native(device) -> bool:
   """
   if device.platform not in ('gpu', 'cuda'):
     return False
-  capability = _capability(device)
+  capability = compute_capability(device)
   if capability is None:
     return any(name in device.device_kind for name in BLOCK_SCALED_GPU_NAMES)
   return capability >= MIN_CAPABILITY
 
 
 def describe(device) -> str:
-  capability = _capability(device)
+  capability = compute_capability(device)
   extra = f', compute capability {capability[0]}.{capability[1]}' if capability else ''
   return f'{device.device_kind!r} ({device.platform}{extra})'
 
