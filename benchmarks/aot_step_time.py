@@ -2,6 +2,7 @@
 
   .venv-aot/bin/python benchmarks/aot_step_time.py --part calibration   # anchors' programs
   .venv-aot/bin/python benchmarks/aot_step_time.py --part projections   # llama configs
+  .venv-aot/bin/python benchmarks/aot_step_time.py --part quantization  # scaling recipes
   .venv-aot/bin/python benchmarks/aot_step_time.py --no_compile         # tables from the JSONs
 
 Calibration compiles the programs timed on the lent H200 (benchmarks/anchor_programs.py, from
@@ -113,6 +114,101 @@ def fast_step_cells() -> list:
             cell('v6e-8', 'llama:1b', 'bf16', 'static', 4, {'fsdp': -1}, **LONG),
             cell('v5p-8', 'llama:1b', 'bf16', 'static', 4, {'fsdp': -1}, **LONG)]
   return cells
+
+
+# Issue 45, quantization that pays: the scaling recipes (precision.scaling) on the fast step.
+# 'row' is the fast-step cells' recipe (their names carry no scaling); tensor and delayed here.
+RECIPE_TARGETS = ('h100', 'h200')
+
+
+def quantization_cells() -> list:
+  """Issue 45's matrix: the goals' configs (1b, 7b on H100 / H200; 1b on v6e-1), each recipe
+  static and routed with nothing recovered, then 350m and a B200."""
+  cell = aot_compiled.cell
+  cells = []
+  for target in RECIPE_TARGETS:
+    for config in ('llama:1b', 'llama:7b'):
+      cells += [cell(target, config, 'fp8', 'static', scaling=scaling, **FAST)
+                for scaling in ('tensor', 'delayed')]
+      cells += [cell(target, config, 'fp8', 'gnmr', scaling='delayed', **FAST),
+                cell(target, config, 'int8', 'static', scaling='tensor', **FAST)]
+  cells += [cell('v6e-1', 'llama:1b', 'int8', mode, 32, scaling='tensor', **FAST)
+            for mode in ('static', 'gnmr')]
+  cells += [cell('v6e-1', 'llama:1b', 'int8', 'gnmr', 32, **FAST)]
+  cells += [cell('h100', 'llama:350m', 'fp8', 'static', scaling=scaling, **FAST)
+            for scaling in ('tensor', 'delayed')]
+  cells += [cell('b200', 'llama:7b', 'fp8', 'static', scaling='delayed', **FAST)]
+  return cells
+
+
+def _gemm_seconds(step: step_time.StepTime) -> float:
+  return sum(v for k, v in step.by_category.items() if k.startswith('gemm'))
+
+
+def quantization_table(recipe_reports, fast_reports) -> list:
+  """Issue 45: per (target, config, batch), bf16 and each recipe's step; the quantization's
+  cost against what its GEMMs save, two ways."""
+  by_key = {}
+  for r in list(fast_reports) + list(recipe_reports):
+    if not r['kernels']:
+      continue
+    c = r['cell']
+    scaling = c['overrides'].get('scaling', 'row' if c['path'] in ('fp8', 'int8') else '')
+    by_key[(r['target'], c['config'], r['batch_size'], c['path'], scaling, c['mode'])] = r
+  lines = ['### Scaling recipes (issue 45): model output, the fast step of issue 44', '',
+           "Each row prices one compiled train step (device and fitted constants as calibrated "
+           "below, unchanged). recipe: precision.scaling ('row': per-row current scales, the "
+           "recipe before; 'tensor': one current scale per tensor, each operand quantized once "
+           "a step; 'delayed': per tensor from an amax history). \"quant. / saving\": the "
+           "model's quantization category (every kernel that writes or reads 8-bit data and is "
+           "no GEMM: a cast fused into its producer is priced there whole, producer included) "
+           "over the time its GEMMs save against bf16's; \"overhead / saving\": everything but "
+           "GEMMs against the bf16 step's same (what quantizing really adds: a fused producer "
+           "counts once in each step) over that saving. A scale folded into the cuBLASLt call "
+           "is priced with its GEMM. routed: mode gnmr with nothing recovered, over static.", '',
+           '| target | config | batch | path | recipe | model ms | vs bf16 | quant. / saving '
+           '| overhead / saving | routed ms (vs static) | where the time goes |',
+           '|' + '---|' * 11]
+  for (target, config, batch, path, scaling, mode), r in sorted(by_key.items()):
+    if mode != 'static' or path == 'bf16':
+      continue
+    base_r = by_key.get((target, config, batch, 'bf16', '', 'static'))
+    if base_r is None:
+      continue
+    spec = device_specs.get_spec(target)
+    base = step_time.price(base_r['kernels'], spec)
+    step = step_time.price(r['kernels'], spec)
+    saving = _gemm_seconds(base) - _gemm_seconds(step)
+    overhead = (step.total_s - _gemm_seconds(step)) - (base.total_s - _gemm_seconds(base))
+    quant = step.by_category['quantization']
+    routed_r = by_key.get((target, config, batch, path, scaling, 'gnmr'))
+    routed = '-'
+    if routed_r is not None:
+      zero = step_time.price(routed_r['kernels'], spec).total_s
+      routed = f'{zero * 1e3:.1f} ({step.total_s / zero:.2f}x)'
+    share = (lambda v: f'{100 * v / saving:.0f}%') if saving > 0 else (lambda v: '-')
+    lines.append(f'| {target} | {config} | {batch} | {path} | {scaling} '
+                 f'| {step.total_s * 1e3:.1f} | {base.total_s / step.total_s:.2f}x '
+                 f'| {share(quant)} | {share(overhead)} | {routed} | {_shares(step)} |')
+  return lines + ['']
+
+
+def quantization(args) -> None:
+  """Issue 45's cells (compiled where missing unless --no_compile), beside the fast step's."""
+  recipes, missing = projections(args.redo, not args.no_compile, args.only,
+                                 quantization_cells())
+  fast, _ = projections(compile_missing=False, cells=fast_step_cells())
+  print('# The roofline model (gnmr_jax/aot/step_time.py, device constants and fitted constant '
+        'as calibrated in "Step time on paper" below) over deviceless-compiled programs; every '
+        'figure is a model output priced from benchmarks/results/step_time/*.json')
+  for date, versions in sorted({(r['compiled_on']['date'], ', '.join(
+      f'{k} {v}' for k, v in sorted(r['versions'].items()))) for r in recipes}):
+    print(f'# recipe cells compiled {date}: {versions}')
+  print()
+  print('\n'.join(quantization_table(recipes, fast)))
+  if missing:
+    print(f'# {len(missing)} recipe cells not compiled yet (--part quantization resumes them): '
+          f'{", ".join(missing)}')
 
 
 def _stamp() -> dict:
@@ -517,8 +613,8 @@ def fast_step(args) -> None:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--part', choices=('calibration', 'projections', 'both', 'fast_step'),
-                      default='both')
+  parser.add_argument('--part', choices=('calibration', 'projections', 'both', 'fast_step',
+                                         'quantization'), default='both')
   parser.add_argument('--only', default='', help='projection cells whose name contains this')
   parser.add_argument('--redo', action='store_true', help='recompile cells that have a JSON')
   parser.add_argument('--no_compile', action='store_true',
@@ -527,6 +623,9 @@ def main():
   os.makedirs(RESULTS, exist_ok=True)
   if args.part == 'fast_step':
     fast_step(args)
+    return
+  if args.part == 'quantization':
+    quantization(args)
     return
   if not args.no_compile and args.part in ('calibration', 'both'):
     compile_calibration(args.redo)

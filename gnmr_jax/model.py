@@ -43,6 +43,7 @@ from gnmr_jax import attention as attention_lib
 from gnmr_jax import loss as loss_lib
 from gnmr_jax import sharding
 from gnmr_jax.model_configs import static_scan_unroll, validate_model_config
+from gnmr_jax.precision import amax_history as amax_history_lib
 from gnmr_jax.precision import explicit_sharding, side_buffer
 
 # Projection names per sub-module; each owns a `kernel` of shape [d_in, d_out]
@@ -142,6 +143,24 @@ def unit_kernel_shapes(config: ml_collections.ConfigDict) -> list[tuple[int, int
           (d, f), (d, f), (f, d)]
 
 
+def init_amax_history(config: ml_collections.ConfigDict, length: int) -> dict:
+  """Empty amax histories for every projection unit (delayed scaling, amax_history.py).
+
+  Returns:
+    ``{'attn': {'q': f32[L, 3, length], ...}, 'mlp': {...}}``, zeros (no observation yet),
+    the tree ``Transformer.__call__(amax_history=...)`` takes; its gradient is the next one.
+
+  Example:
+    >>> from gnmr_jax.model_configs import model_config
+    >>> history = init_amax_history(model_config('tiny'), 16)
+    >>> history['mlp']['down'].shape
+    (2, 3, 16)
+  """
+  empty = amax_history_lib.init(length)
+  return {group: {name: jnp.broadcast_to(empty, (config.num_layers,) + empty.shape)
+                  for name in names} for group, names in PROJECTIONS.items()}
+
+
 def _constrain_side(side):
   """Shards the side buffer's token axes like the activations'."""
   if side is None:
@@ -204,8 +223,8 @@ class Projection(nn.Module):
   param_dtype: Any
 
   @nn.compact
-  def __call__(self, x: Array, recover: Array | None = None, side: Any = None
-               ) -> tuple[Array, Any]:
+  def __call__(self, x: Array, recover: Array | None = None, side: Any = None,
+               history: Array | None = None) -> tuple[Array, Any]:
     kernel = self.param(
         'kernel',
         nn.with_logical_partitioning(
@@ -219,10 +238,12 @@ class Projection(nn.Module):
     # gathered, as policy.dot does for its own per-row scales (no-op otherwise).
     x = explicit_sharding.unshard_contraction(x, kernel)
     # The float32 master kernel goes to the policy: it owns the operand casts.
+    # Only a policy that scales from amax histories (delayed scaling) is given one.
+    extra = {'history': history} if history is not None else {}
     if side is None:
-      y, side = self.policy.dot(x, kernel, recover=recover), None
+      y, side = self.policy.dot(x, kernel, recover=recover, **extra), None
     else:
-      y, side = self.policy.dot_side(x, kernel, recover, side)
+      y, side = self.policy.dot_side(x, kernel, recover, side, **extra)
     if sharding.is_explicit():  # the layout the rules give y (auto axes: the partitioner's)
       y = sharding.constrain(y, ('batch', 'length', self.kernel_axes[1])[-y.ndim:])
     return y, side
@@ -244,7 +265,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x_BxSxD: Array, rope: tuple[Array, Array], bits: dict,
-               side: Any = None) -> tuple[Array, Any]:
+               side: Any = None, histories: dict | None = None) -> tuple[Array, Any]:
     cfg = self.config
     dtype, param_dtype = _dtypes(cfg)
     batch, seq_len, d_model = x_BxSxD.shape
@@ -254,7 +275,7 @@ class Attention(nn.Module):
 
     def proj(name, features, axes, std, x, side):
       return Projection(features, axes, std, self.policy, param_dtype,
-                        name=name)(x, bits.get(name), side)
+                        name=name)(x, bits.get(name), side, (histories or {}).get(name))
 
     q, side = proj('q', heads * head_dim, ('embed', 'heads'), cfg.init_std, x_BxSxD, side)
     k, side = proj('k', kv_heads * head_dim, ('embed', 'kv_heads'), cfg.init_std, x_BxSxD,
@@ -289,14 +310,15 @@ class Mlp(nn.Module):
   policy: Policy
 
   @nn.compact
-  def __call__(self, x_BxSxD: Array, bits: dict, side: Any = None) -> tuple[Array, Any]:
+  def __call__(self, x_BxSxD: Array, bits: dict, side: Any = None,
+               histories: dict | None = None) -> tuple[Array, Any]:
     cfg = self.config
     _, param_dtype = _dtypes(cfg)
     out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
     def proj(name, features, axes, std, x, side):
       return Projection(features, axes, std, self.policy, param_dtype,
-                        name=name)(x, bits.get(name), side)
+                        name=name)(x, bits.get(name), side, (histories or {}).get(name))
 
     gate, side = proj('gate', cfg.ffn_dim, ('embed', 'mlp'), cfg.init_std, x_BxSxD, side)
     up, side = proj('up', cfg.ffn_dim, ('embed', 'mlp'), cfg.init_std, x_BxSxD, side)
@@ -316,19 +338,20 @@ class Block(nn.Module):
   interpret_kernels: bool = False
 
   @nn.compact
-  def __call__(self, carry: tuple[Array, Any], bits: dict | None,
+  def __call__(self, carry: tuple[Array, Any], bits: dict | None, histories: dict | None,
                rope: tuple[Array, Array]) -> tuple[tuple[Array, Any], None]:
     cfg = self.config
     x_BxSxD, side = carry
     dtype, param_dtype = _dtypes(cfg)
     bits = bits or {'attn': {}, 'mlp': {}}
+    histories = histories or {'attn': None, 'mlp': None}
     residual_axes = ('batch', 'length', 'embed')
     h = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='attn_norm')(x_BxSxD)
     out, side = Attention(cfg, self.policy, self.interpret_kernels, name='attn')(
-        h, rope, bits['attn'], side)
+        h, rope, bits['attn'], side, histories['attn'])
     x_BxSxD = sharding.constrain(x_BxSxD + out, residual_axes)
     h = RMSNorm(cfg.norm_eps, dtype, param_dtype, name='mlp_norm')(x_BxSxD)
-    out, side = Mlp(cfg, self.policy, name='mlp')(h, bits['mlp'], side)
+    out, side = Mlp(cfg, self.policy, name='mlp')(h, bits['mlp'], side, histories['mlp'])
     x_BxSxD = sharding.constrain(x_BxSxD + out, residual_axes)
     return (x_BxSxD, _constrain_side(side)), None
 
@@ -368,7 +391,7 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: Array, recovery_mask: Any = None, *, targets: Array | None = None,
-               loss_weights: Array | None = None) -> Array:
+               loss_weights: Array | None = None, amax_history: dict | None = None) -> Array:
     """Forward pass: the logits, or with `targets` the summed cross-entropy.
 
     With targets the head and the loss run fused, `config.loss_chunks` sequence chunks at a
@@ -382,6 +405,9 @@ class Transformer(nn.Module):
       targets: int[B, S] next-token ids, or None for the logits.
       loss_weights: [B, S] per-token weights w of the loss (float or bool), or None for
         all ones; only with `targets`.
+      amax_history: the projections' amax histories (`init_amax_history`), required when
+        the policy scales from them (`policy.takes_history`: precision.scaling='delayed');
+        the gradient with respect to it is the next step's histories.
 
     Returns:
       float32[B, S, vocab_size] logits (targets None), or the float32 scalar L (mean loss:
@@ -399,6 +425,16 @@ class Transformer(nn.Module):
       raise ValueError(
           f'sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}')
     dtype, param_dtype = _dtypes(cfg)
+    if (getattr(self.policy, 'takes_history', False) and amax_history is None
+        and self.is_initializing()):  # the params do not depend on the histories
+      amax_history = init_amax_history(cfg, max(self.policy.amax_history_length, 1))
+    if getattr(self.policy, 'takes_history', False) and amax_history is None:
+      raise ValueError('the precision policy scales from amax histories (precision.scaling='
+                       "'delayed'): pass amax_history=init_amax_history(config, "
+                       'precision.amax_history_length), then each step the gradient with '
+                       'respect to it.')
+    if amax_history is not None and not getattr(self.policy, 'takes_history', False):
+      amax_history = None  # nothing scales from them (a recovery-path model of the same run)
     bits = None
     if self.policy.routed and recovery_mask is not None:
       bits = projection_recover_bits(recovery_mask, cfg.num_layers)
@@ -433,12 +469,12 @@ class Transformer(nn.Module):
         block,
         variable_axes={'params': LAYER_AXIS},
         split_rngs={'params': True},
-        in_axes=(0, nn.broadcast),
+        in_axes=(0, 0, nn.broadcast),
         length=cfg.num_layers,
         unroll=cfg.scan_unroll if cfg.scan_layers else cfg.num_layers,
         metadata_params={nn.PARTITION_NAME: 'layers'},
     )(cfg, self.policy, self.interpret_kernels, name='layers')
-    (x_BxSxD, side), _ = blocks((x_BxSxD, side), bits, rope)
+    (x_BxSxD, side), _ = blocks((x_BxSxD, side), bits, amax_history, rope)
     if side is not None:
       # Recoveries that found the side buffer full ran the low-cost path: 0 whenever
       # the mask holds at most side_buffer_units units (the controller's max_o).

@@ -32,7 +32,7 @@ from gnmr_jax.control import recovery_gap as gap_lib
 from gnmr_jax.control import units as units_lib
 from gnmr_jax.data import make_data
 from gnmr_jax.metrics_log import format_summary as format_summary  # public here too
-from gnmr_jax.model import Transformer
+from gnmr_jax.model import Transformer, init_amax_history
 from gnmr_jax.model_configs import static_scan_unroll
 from gnmr_jax.optim import learning_rate_schedule, make_optimizer
 from gnmr_jax.precision import make_policy, native_microscaling, recovery_policy
@@ -134,7 +134,9 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
           p * (1 + perturbation * jax.random.normal(k, p.shape, p.dtype))
           for p, k in zip(jax.tree_util.tree_leaves(params), keys)])
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rng=jax.random.key_data(jax.random.fold_in(rng, 1)))
+                      rng=jax.random.key_data(jax.random.fold_in(rng, 1)),
+                      amax_history=(init_amax_history(model_config, policy.amax_history_length)
+                                    if policy.takes_history else None))
 
   # An abstract key: nothing concrete is created under the mesh, whose devices may be a
   # topology's that cannot run (gnmr_jax.aot compiles for accelerators on a CPU host).
@@ -157,7 +159,9 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
         step=replicated, params=param_sh,
         opt_state=sharding.opt_state_shardings(abstract.opt_state, abstract.params, param_sh,
                                                replicated),
-        rng=replicated)
+        rng=replicated,
+        # a few floats per unit: every device keeps them all
+        amax_history=jax.tree_util.tree_map(lambda _: replicated, abstract.amax_history))
     train_fn, eval_fn = step_lib.train_step, step_lib.eval_step
   else:
     init_state = functools.partial(task.init_state, spec=spec)

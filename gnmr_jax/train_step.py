@@ -28,6 +28,9 @@ class TrainState(NamedTuple):
   params: Any           # float32 params tree (unboxed 'params' collection)
   opt_state: Any        # optax state, GNMRState inside
   rng: jax.Array        # uint32 [2]: raw key data, for any stochastic part of the step
+  # Delayed scaling (precision.scaling='delayed'): the projections' amax histories,
+  # model.init_amax_history's tree of float32[L, 3, H]; None otherwise.
+  amax_history: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,25 +72,28 @@ def cross_entropy(logits_BxSxV, targets_BxS):
   return jnp.mean(losses), jnp.sum(losses), targets_BxS.size
 
 
-def _model_loss_sum(model, params, batch, mask, **apply_kwargs):
+def _model_loss_sum(model, params, batch, mask, amax_history=None, **apply_kwargs):
   """(the sum of the batch's token cross-entropies, float32, and the token count), through the
   model's fused head and loss (float32 [B, S, V] logits never exist); apply_kwargs go to
   ``model.apply`` (``mutable=...`` makes the first value a (sum, variables) pair)."""
   targets = batch["targets"]
+  if amax_history is not None:
+    apply_kwargs["amax_history"] = amax_history
   out = model.apply({"params": params}, batch["inputs"], recovery_mask=mask, targets=targets,
                     **apply_kwargs)
   return out, targets.size
 
 
-def _model_loss(model, params, batch, mask):
-  total, count = _model_loss_sum(model, params, batch, mask)
+def _model_loss(model, params, batch, mask, amax_history=None):
+  total, count = _model_loss_sum(model, params, batch, mask, amax_history)
   return total / count
 
 
-def gradient_passes(spec: StepSpec, params, batch) -> gap_lib.GradientPasses:
-  """The probe's gradient passes of the step's model on (params, batch)."""
+def gradient_passes(spec: StepSpec, params, batch, amax_history=None) -> gap_lib.GradientPasses:
+  """The probe's gradient passes of the step's model on (params, batch); a delayed-scaling
+  run's passes scale from the step's histories (and leave them as they are)."""
   def grads(model, mask, data=batch):
-    return jax.grad(lambda p: _model_loss(model, p, data, mask))(params)
+    return jax.grad(lambda p: _model_loss(model, p, data, mask, amax_history))(params)
 
   return gap_lib.GradientPasses(
       low_cost=lambda: grads(spec.model, None),
@@ -112,11 +118,11 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
   injector = spec.injector
   step_number = state.step + 1  # 1-based, as logged
 
-  def loss_fn(params):
+  def loss_fn(params, amax_history):
     if injector is not None:  # reliability tests only (config.faults)
       params = injector.corrupt_params(params, step_number,
                                        spec.layout.flat(ctl.mask) if mask is not None else None)
-    (total, sown), count = _model_loss_sum(spec.model, params, batch, mask,
+    (total, sown), count = _model_loss_sum(spec.model, params, batch, mask, amax_history,
                                            mutable=["intermediates"])
     loss = total / count
     if injector is not None:
@@ -126,13 +132,17 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
         sown.get("intermediates", {}).get("side_buffer_dropped", ())))
     return loss, jnp.asarray(dropped, jnp.int32)
 
-  (loss, dropped), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+  # Delayed scaling: the gradient of the amax histories is the next histories (every projection
+  # pushed what it observed; amax_history.py).
+  (loss, dropped), (grads, amax_history) = jax.value_and_grad(
+      loss_fn, argnums=(0, 1), has_aux=True)(state.params, state.amax_history)
   if injector is not None:
     grads = injector.corrupt_grads(grads, step_number)
   extra = {}
   if spec.probe is not None:  # one extra forward+backward on the measured steps only
     gap_measured, extra["recovery_gap"] = spec.probe(
-        step_number, gradient_passes(spec, state.params, batch), state.params, mask, grads)
+        step_number, gradient_passes(spec, state.params, batch, state.amax_history),
+        state.params, mask, grads)
   updates, opt_state = spec.tx.update(grads, state.opt_state, state.params, **extra)
   params = optax.apply_updates(state.params, updates)
   grad_norm = optax.tree.norm(grads)
@@ -155,7 +165,8 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
     if gap.signal_sq is not None:
       metrics.update(unit_gap_signal_sq=spec.layout.flat(gap.signal_sq),
                      unit_gap_sampling_sq=spec.layout.flat(gap.sampling_sq))
-  new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng)
+  new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=state.rng,
+                         amax_history=amax_history)
   return new_state, metrics
 
 
@@ -177,5 +188,5 @@ def controller_metrics(layout: UnitLayout, ctl, new_ctl) -> dict:
 def eval_step(state: TrainState, batch: dict, *, spec: StepSpec):
   """(state, batch) -> (sum of token losses, token count), with the mask of the next step."""
   _, mask = _mask_of(spec, state.opt_state)
-  total, count = _model_loss_sum(spec.model, state.params, batch, mask)
+  total, count = _model_loss_sum(spec.model, state.params, batch, mask, state.amax_history)
   return total, jnp.float32(count)

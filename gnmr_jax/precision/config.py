@@ -5,6 +5,7 @@ from __future__ import annotations
 import ml_collections
 
 from gnmr_jax.precision import microscaling, native_microscaling, registry, saved_activation
+from gnmr_jax.precision import scaling
 
 MODES = ('static', 'gnmr')
 RECOVERY_STORAGE = ('side_buffer', 'per_unit')
@@ -32,6 +33,17 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # With low_cost_path='nvfp4' ('mxfp8'), 'nvfp4_backward' ('mxfp8_backward'): bf16 forward,
   # FP4 (FP8) backward, makes a 'late_switch' controller NVIDIA's forward-only late switch.
   config.recovery_path = 'bf16'
+  # How the int8 and fp8 paths scale their operands (scaling.SCALINGS): 'row' (one absmax
+  # scale per row of each leg's lhs and column of its rhs, current: the most precise; six
+  # operands quantized per unit and step), 'tensor' (one current scale per tensor, each of x,
+  # W and the output gradient quantized once per step, the scale folded into the GEMM) or
+  # 'delayed' (per tensor, from the unit's amax history: the casts fuse into the operands'
+  # producers; a tensor whose amax jumps past its history saturates for that step).
+  config.scaling = 'row'
+  # Steps of amax history a unit keeps for scaling='delayed' (Transformer Engine's
+  # amax_history_len): each operand's scale comes from the largest amax of its last
+  # amax_history_length steps.
+  config.amax_history_length = 16
   # Bits of the saved activation on the low-cost saved_activation path (2..8).
   config.saved_activation_bits = 4
   # Bits of the saved activation on the recovery saved_activation path (2..8,
@@ -101,6 +113,12 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _check_choice(config, 'mode', MODES)
   _check_choice(config, 'low_cost_path', registry.available_paths())
   _check_choice(config, 'recovery_path', registry.available_paths())
+  _check_choice(config, 'scaling', scaling.names())
+  if (isinstance(config.amax_history_length, bool) or not isinstance(config.amax_history_length,
+                                                                      int)
+      or config.amax_history_length < 1):
+    raise ValueError("precision config field 'amax_history_length' must be an int >= 1, got "
+                     f'{config.amax_history_length!r}.')
   _check_choice(config, 'saved_activation_bits', tuple(range(2, 9)))
   _check_choice(config, 'recovery_saved_activation_bits', saved_activation.VALID_BITS)
   _check_choice(config, 'stochastic_rounding', (False, True))

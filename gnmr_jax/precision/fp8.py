@@ -1,7 +1,8 @@
 """The fp8 path: e4m3 activations and weights, e5m2 output gradients.
 
-Current (just-in-time) scaling: every leg computes its absmax scales from the
-tensors it is about to multiply, per row of the lhs and per column of the rhs.
+Scaling per the precision config's ``scaling`` (scaling.py): 'row' (this module's ``PATH``):
+every leg computes current absmax scales from the tensors it is about to multiply, per row of
+the lhs and per column of the rhs; 'tensor': one scale per tensor (tensor_scaling.py).
 The fp8 arrays go into ``lax.dot_general`` as fp8 operands with float32
 accumulation. On an H200 (jax 0.11) that ran at 977 TFLOP/s against 633 for bf16,
 while converting fp8 to bf16 before the dot ran at bf16 speed. XLA:CPU executes
@@ -14,7 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from gnmr_jax.precision import path as path_lib
-from gnmr_jax.precision import quantize, registry
+from gnmr_jax.precision import quantize, registry, delayed_scaling, scaling, tensor_scaling
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -50,4 +51,6 @@ Returns:
 """
 
 
-registry.register_path('fp8', registry.fixed_path(PATH))
+registry.register_path('fp8', scaling.builder(
+    'fp8', {scaling.ROW.name: PATH, scaling.TENSOR.name: tensor_scaling.FP8_PATH,
+     scaling.DELAYED.name: delayed_scaling.FP8_PATH}))

@@ -1,5 +1,8 @@
 """The int8 path: per-channel scaled int8 operands in all three matmuls (AQT-style).
 
+This is the 'row' scaling (``PATH``); with the precision config's ``scaling='tensor'`` the
+path is tensor_scaling.INT8_PATH (one scale per tensor).
+
 Each leg quantizes its lhs per row and its rhs per column (one scale per
 non-contracted index, so scales factor out of the sum), runs
 ``lax.dot_general(int8, int8, preferred_element_type=int32)`` and rescales.
@@ -13,7 +16,7 @@ import functools
 import jax.numpy as jnp
 
 from gnmr_jax.precision import path as path_lib
-from gnmr_jax.precision import quantize, registry
+from gnmr_jax.precision import quantize, registry, scaling, tensor_scaling
 
 _int8_matmul = functools.partial(quantize.scaled_matmul, lhs_dtype=jnp.int8,
                                  rhs_dtype=jnp.int8)
@@ -43,4 +46,5 @@ Returns:
 """
 
 
-registry.register_path('int8', registry.fixed_path(PATH))
+registry.register_path('int8', scaling.builder(
+    'int8', {scaling.ROW.name: PATH, scaling.TENSOR.name: tensor_scaling.INT8_PATH}))

@@ -13,6 +13,14 @@ routed dot (routing.py) needs to run the forward legs of two paths under one
 ``x`` and ``kernel`` are kept outside the path's residuals so that a routed dot
 keeps them once (and a scan can forward the kernel slice instead of copying it).
 
+A path that ``takes_history`` (delayed scaling, delayed_scaling.py) scales its operands from
+the unit's amax history (amax_history.py, float32[3, H]) and observes the amaxes itself (from
+what it already reads, so no pass of their own): ``forward(x, kernel, history) -> (y,
+residuals, float32[2] amaxes of x and W)`` and ``backward(...) -> (dx, dkernel, float32[]
+amax of g)``. Given a history, the dot wrappers observe any other path's amaxes directly
+(``call_forward`` / ``call_backward``) and return the next history as the history's
+cotangent.
+
 Under a mesh with explicit axes ``dx`` and ``dkernel`` must have the shardings of
 ``x`` and ``kernel`` (JAX checks a custom backward's output types), and a matmul
 contracting an axis sharded on both operands needs its ``out_sharding``; the
@@ -28,8 +36,30 @@ import inspect
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
-from gnmr_jax.precision import explicit_sharding
+from gnmr_jax.precision import amax_history, explicit_sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Hoisted:
+  """A history-taking path's quantization split from its GEMMs, so that a routed dot
+  (routing.py) quantizes outside its ``lax.cond`` (in the fusions that produce the operands,
+  as the static step does) and the cond chooses only the GEMMs. The recovery branch ignores the
+  codes; both branches' histories are observed from them.
+
+  Attributes:
+    quantize_inputs: ``(x, kernel, history) -> (operands, float32[2] observed amaxes)``.
+    forward: ``(operands, y dtype) -> (y, residuals)``, the residuals ``Path.forward``
+      returns.
+    quantize_gradient: ``(g, history) -> (gradient operands, float32[] observed amax)``.
+    backward: ``(residuals, x, kernel, gradient operands, dx dtype) -> (dx, dkernel)``.
+  """
+
+  quantize_inputs: Callable
+  forward: Callable
+  quantize_gradient: Callable
+  backward: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +69,35 @@ class Path:
   forward: Callable
   backward: Callable
   saves_input: bool
+  takes_history: bool = False
+  hoisted: Hoisted | None = None
+
+
+def call_forward(path: Path, x, kernel, history=None):
+  """``(y, residuals, observed)``: the forward with the unit's history when the path takes
+  one; ``observed`` is float32[2] (max|x|, max|W|) when a history is given, else None."""
+  if path.takes_history:
+    return path.forward(x, kernel, history)
+  y, residuals = path.forward(x, kernel)
+  if history is None:
+    return y, residuals, None
+  return y, residuals, jnp.stack([amax_history.amax(x), amax_history.amax(kernel)])
+
+
+def call_backward(path: Path, residuals, x, kernel, g, observe: bool):
+  """``(dx, dkernel, observed)``: ``observed`` is float32[] max|g| when ``observe``."""
+  if path.takes_history:
+    return path.backward(residuals, x, kernel, g)
+  dx, dkernel = path.backward(residuals, x, kernel, g)
+  return dx, dkernel, amax_history.amax(g) if observe else None
+
+
+def next_history(history, observed_forward, observed_gradient):
+  """The history's cotangent (the next history), or None without a history."""
+  if history is None:
+    return None
+  return amax_history.push(history, observed_forward[0], observed_forward[1],
+                           observed_gradient)
 
 
 def path_dot(path: Path):
@@ -62,33 +121,40 @@ def path_dot(path: Path):
   """
 
   @jax.custom_vjp
-  def dot(x, kernel):
-    return path.forward(x, kernel)[0]
+  def dot(x, kernel, history):
+    return call_forward(path, x, kernel, history)[0]
 
-  def dot_fwd(x, kernel):
-    y, residuals = path.forward(x, kernel)
+  def dot_fwd(x, kernel, history):
+    y, residuals, observed = call_forward(path, x, kernel, history)
     # x's type rides along as static structure: a path that does not save x still
     # learns x's sharding, which dx must have under an explicit mesh.
     return y, (residuals, x if path.saves_input else explicit_sharding.static_type(x),
-               kernel)
+               kernel, history, observed)
 
   def dot_bwd(saved, g):
-    residuals, x, kernel = saved
+    residuals, x, kernel, history, observed = saved
     x = x if path.saves_input else x.aval
-    return path.backward(residuals, x, kernel, g)
+    dx, dkernel, observed_g = call_backward(path, residuals, x, kernel, g,
+                                            history is not None)
+    return dx, dkernel, next_history(history, observed, observed_g)
 
   dot.defvjp(dot_fwd, dot_bwd)
   # A partial, not a function: modules set its __doc__ (bf16_dot), as on a custom_vjp.
-  return functools.partial(_row_parallel_dot, dot)
+  return functools.partial(_row_parallel_dot, dot, path.takes_history)
 
 
-def _row_parallel_dot(dot, x, kernel):
+def _row_parallel_dot(dot, takes_history, x, kernel, history=None):
   """dot(x, kernel) with x's K shards gathered when x and a row-parallel kernel both shard K.
 
   That contraction is ill-typed under explicit axes; the gather (as in policy.dot, a no-op
   otherwise) sits outside the custom_vjp, so its transpose gives dx x's own sharding.
+  ``history``: the unit's amax history (float32[3, H]), required by a path that takes one
+  and observed for any path when given (its cotangent is the next history).
   """
-  return dot(explicit_sharding.unshard_contraction(x, kernel), kernel)
+  if takes_history and history is None:
+    raise ValueError('this path scales from an amax history (delayed scaling): pass the '
+                     "unit's history, float32[3, H] (amax_history.init(H)).")
+  return dot(explicit_sharding.unshard_contraction(x, kernel), kernel, history)
 
 
 def _call_leg(leg, lhs, rhs, out_dtype, out_sharding):

@@ -50,9 +50,16 @@ class PrecisionPolicy:
   routed_scan_unroll: int = -1
   recovery_storage: str = 'per_unit'
   side_buffer_units: int | None = None
+  amax_history_length: int = 0
 
-  def dot(self, x: jax.Array, kernel: jax.Array, recover: jax.Array | None = None
-          ) -> jax.Array:
+  @property
+  def takes_history(self) -> bool:
+    """Whether a path this policy runs scales from its unit's amax history (delayed
+    scaling): ``dot`` then needs ``history=``, the unit's float32[3, amax_history_length]."""
+    return self.low_cost.takes_history or (self.routed and self.recovery.takes_history)
+
+  def dot(self, x: jax.Array, kernel: jax.Array, recover: jax.Array | None = None,
+          history: jax.Array | None = None) -> jax.Array:
     """Contracts the last axis of ``x`` [..., K] with the first of ``kernel`` [K, N].
 
     Static policies ignore ``recover`` (no cond in the program). Routed policies
@@ -65,6 +72,8 @@ class PrecisionPolicy:
       x: [..., K] activations.
       kernel: [K, N] weights (float32 masters are fine; paths cast).
       recover: bool[] scalar mask bit, or None.
+      history: the unit's amax history (amax_history.py, float32[3, H]) or None; required
+        when ``takes_history``; given, its cotangent is the next history.
 
     Returns:
       [..., N] in ``x.dtype``.
@@ -79,9 +88,9 @@ class PrecisionPolicy:
     _check_dot_shapes(x, kernel)
     x_2d = explicit_sharding.unshard_contraction(x.reshape(-1, x.shape[-1]), kernel)
     if self.routed and recover is not None:
-      y_2d = self._routed_dot(x_2d, kernel, routing.check_recover(recover))
+      y_2d = self._routed_dot(x_2d, kernel, routing.check_recover(recover), history=history)
     else:
-      y_2d = self._static_dot(x_2d, kernel)
+      y_2d = self._static_dot(x_2d, kernel, history)
     return y_2d.reshape(x.shape[:-1] + (kernel.shape[1],))
 
   def dot_general(self, recover: jax.Array | None = None):
@@ -195,7 +204,7 @@ class PrecisionPolicy:
     return side_buffer.init(token_shape, self.side_words_per_token(unit_dims, dtype))
 
   def dot_side(self, x: jax.Array, kernel: jax.Array, recover: jax.Array | None,
-               side: side_buffer.SideState | None
+               side: side_buffer.SideState | None, history: jax.Array | None = None
                ) -> tuple[jax.Array, side_buffer.SideState | None]:
     """``dot`` that threads the side state (``init_side``) through the unit.
 
@@ -209,12 +218,13 @@ class PrecisionPolicy:
       kernel: [K, N] weights.
       recover: bool[] mask bit, or None (the unit runs the low-cost path).
       side: a ``SideState`` or None.
+      history: the unit's amax history, as in ``dot``.
 
     Returns:
       ``(y [..., N], side)``.
     """
     if side is None or recover is None:
-      return self.dot(x, kernel, recover), side
+      return self.dot(x, kernel, recover, history), side
     if side.buffer.shape[:-1] != x.shape[:-1]:
       raise ValueError(f'side buffer {side.buffer.shape} must have the leading axes of '
                        f'x {x.shape}.')
@@ -224,7 +234,8 @@ class PrecisionPolicy:
     # Explicit meshes: the buffer must shard its rows like the tokens (no-op otherwise).
     buffer_2d = explicit_sharding.like_rows(side.buffer.reshape(rows, -1), x_2d)
     y_2d, out = self._routed_side_dot(
-        x_2d, kernel, routing.check_recover(recover), side._replace(buffer=buffer_2d))
+        x_2d, kernel, routing.check_recover(recover), side._replace(buffer=buffer_2d),
+        history=history)
     buffer = out.buffer.reshape(side.buffer.shape)
     return y_2d.reshape(x.shape[:-1] + (kernel.shape[1],)), out._replace(buffer=buffer)
 
@@ -315,7 +326,8 @@ def make_policy(config: ml_collections.ConfigDict,
       recovery_path=config.recovery_path if routed else config.low_cost_path,
       routed_scan_unroll=config.routed_scan_unroll,
       recovery_storage=config.recovery_storage,
-      side_buffer_units=config.side_buffer_units or max_recovered)
+      side_buffer_units=config.side_buffer_units or max_recovered,
+      amax_history_length=config.amax_history_length)
 
 
 def recovery_policy(config: ml_collections.ConfigDict, device=None) -> PrecisionPolicy:
@@ -335,4 +347,5 @@ def recovery_policy(config: ml_collections.ConfigDict, device=None) -> Precision
   name = config.recovery_path
   path = registry.get_path(name)(config, 'recovery')
   return PrecisionPolicy(routed=False, low_cost=path, recovery=path,
-                         low_cost_path=name, recovery_path=name)
+                         low_cost_path=name, recovery_path=name,
+                         amax_history_length=config.amax_history_length)

@@ -17,7 +17,7 @@ from gnmr_jax.precision import explicit_sharding
 MATMUL_DIMS = (((1,), (0,)), ((), ()))
 
 # Largest finite magnitude of each quantized storage dtype.
-_MAX_VALUE = {
+MAX_VALUE = {
     jnp.dtype(jnp.int8): 127.0,
     jnp.dtype(jnp.float8_e4m3fn): float(jnp.finfo(jnp.float8_e4m3fn).max),
     jnp.dtype(jnp.float8_e5m2): float(jnp.finfo(jnp.float8_e5m2).max),
@@ -53,7 +53,7 @@ def quantize(x: jax.Array, axis, dtype) -> tuple[jax.Array, jax.Array]:
   Returns:
     ``(q, scale)`` with ``x ~= q * scale``; ``scale`` is float32 with ``axis`` kept.
   """
-  max_value = _MAX_VALUE[jnp.dtype(dtype)]
+  max_value = MAX_VALUE[jnp.dtype(dtype)]
   scale = absmax_scale(x, axis, max_value)
   y = jnp.clip(x.astype(jnp.float32) / scale, -max_value, max_value)
   if jnp.issubdtype(dtype, jnp.integer):

@@ -1,0 +1,248 @@
+"""The scaling recipes (precision.scaling): per-tensor current and delayed scaling.
+
+References are NumPy: the codes are rounded with ml_dtypes' float8 casts (round to nearest
+even, as XLA's convert) and np.round, multiplied in float64; the only difference left is the
+float32 accumulation order of the 8-bit products, bounded by tolerances.matmul_atol (a product
+of two fp8 or int8 codes is exact in float32).
+"""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from gnmr_jax import precision
+from gnmr_jax.precision import amax_history, delayed_scaling, path_dot, scaling, tensor_scaling
+from gnmr_jax.precision import side_buffer
+from tests.tolerances import assert_allclose, matmul_atol
+
+M, K, N = 48, 64, 40
+NP_DTYPE = {jnp.dtype(jnp.float8_e4m3fn): ml_dtypes.float8_e4m3fn,
+            jnp.dtype(jnp.float8_e5m2): ml_dtypes.float8_e5m2}
+
+
+def _inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((M, K)).astype(np.float32)
+  w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
+  g = (rng.standard_normal((M, N)) * 1e-3).astype(np.float32)
+  return x, w, g
+
+
+def _np_codes(v, scale, dtype):
+  """NumPy codes of v at scale, clipped to the format (float64 values of the codes)."""
+  dtype = jnp.dtype(dtype)
+  top = float(jnp.finfo(dtype).max) if dtype in NP_DTYPE else 127.0
+  y = np.clip(np.asarray(v, np.float64) / scale, -top, top)
+  if dtype in NP_DTYPE:
+    return y.astype(np.float32).astype(NP_DTYPE[dtype]).astype(np.float64)
+  return np.round(y)
+
+
+def _np_tensor_scale(v, dtype, power_of_two):
+  top = float(jnp.finfo(dtype).max) if jnp.dtype(dtype) in NP_DTYPE else 127.0
+  scale = np.float32(np.max(np.abs(v))) / np.float32(top)
+  return float(2.0 ** np.ceil(np.log2(scale))) if power_of_two else float(scale)
+
+
+def _vjp(dot, x, w, g, *extra):
+  y, vjp = jax.vjp(dot, jnp.asarray(x), jnp.asarray(w), *extra)
+  return (y,) + tuple(vjp(jnp.asarray(g)))
+
+
+def _check_legs(outs, x, w, g, scales, dtypes):
+  """y, dx, dW of a per-tensor-scaled path against NumPy at the given scales."""
+  (sx, sw, sg), (dx_, dw_, dg_) = scales, dtypes
+  qx, qw, qg = _np_codes(x, sx, dx_), _np_codes(w, sw, dw_), _np_codes(g, sg, dg_)
+  for actual, a, b, scale in ((outs[0], qx, qw, sx * sw), (outs[1], qg, qw.T, sg * sw),
+                              (outs[2], qx.T, qg, sx * sg)):
+    assert_allclose(actual, (a @ b) * scale, atol=matmul_atol(a, b) * scale)
+
+
+@pytest.mark.parametrize('fmt', ['fp8', 'int8'])
+def test_tensor_path_is_one_scale_per_tensor_against_numpy(fmt):
+  x, w, g = _inputs()
+  path = tensor_scaling.FP8_PATH if fmt == 'fp8' else tensor_scaling.INT8_PATH
+  dtypes = ((jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2) if fmt == 'fp8'
+            else (jnp.int8,) * 3)
+  pow2 = fmt == 'fp8'
+  scales = [_np_tensor_scale(v, d, pow2) for v, d in zip((x, w, g), dtypes)]
+  outs = jax.jit(lambda *a: _vjp(path_dot(path), *a))(x, w, g)
+  _check_legs(outs, x, w, g, scales, dtypes)
+
+
+def _dots_and_reductions(path, dtype=jnp.bfloat16, history=False):
+  x = jnp.ones((8, 16), dtype)
+  args = (x, jnp.ones((16, 4)), jnp.ones((8, 4), dtype))
+  extra = (amax_history.init(4),) if history else ()
+  jaxpr = jax.make_jaxpr(lambda *a: _vjp(path_dot(path), *a))(*args, *extra).jaxpr
+  dots, reductions = [], 0
+
+  def walk(j):
+    nonlocal reductions
+    for eqn in j.eqns:
+      if eqn.primitive.name == 'dot_general':
+        dots.append((eqn.invars[0].aval.dtype, eqn.invars[1].aval.dtype,
+                     eqn.params['preferred_element_type']))
+      # over an operand (a history row of 4 is no pass over the data)
+      reductions += eqn.primitive.name == 'reduce_max' and eqn.invars[0].aval.size > 4
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr)
+  return dots, reductions
+
+
+def test_each_operand_is_reduced_once_and_the_gemm_writes_bf16():
+  e4, e5, bf = (jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16))
+  dots, reductions = _dots_and_reductions(tensor_scaling.FP8_PATH)
+  assert dots == [(e4, e4, bf), (e5, e4, bf), (e4, e5, jnp.dtype(jnp.float32))]  # dW: f32 kernel
+  assert reductions == 3                                           # x, W, g: once each
+  _, row_reductions = _dots_and_reductions(precision.fp8.PATH)
+  assert row_reductions == 6                                       # two per leg
+  dots, reductions = _dots_and_reductions(delayed_scaling.FP8_PATH, history=True)
+  assert [d[:2] for d in dots] == [(e4, e4), (e5, e4), (e4, e5)]
+  # delayed: no reduction feeds a scale; the observations read the codes (x, g) and W
+  assert reductions == 3
+
+
+def test_power_of_two_scale_rounds_up_exactly_and_passes_non_finite():
+  values = jnp.array([1.0, 0.75, 2.0 ** -20 * 1.5, 3.0, 0.0, jnp.inf, jnp.nan], jnp.float32)
+  out = np.asarray(tensor_scaling.power_of_two_scale(values))
+  np.testing.assert_array_equal(out[:5], [1.0, 1.0, 2.0 ** -19, 4.0, 0.0])
+  assert np.isinf(out[5]) and np.isnan(out[6])
+  # A nan amax stays nan (an int8 cast would launder it to a finite code); zero scales by 1.
+  assert np.isnan(tensor_scaling.tensor_scale(jnp.array([1.0, jnp.nan]), jnp.int8, False))
+  assert tensor_scaling.tensor_scale(jnp.zeros(3), jnp.float8_e4m3fn, True) == 1.0
+
+
+def test_history_push_and_overflow_flags():
+  history = amax_history.init(3)
+  history = amax_history.push(history, 1.0, 2.0, 3.0)
+  history = amax_history.push(history, jnp.inf, 1.0, 9.0)
+  np.testing.assert_array_equal(history, [[0.0, 1.0, 0.0], [1.0, 2.0, 0.0], [9.0, 3.0, 0.0]])
+  np.testing.assert_array_equal(amax_history.overflow(history), [False, False, True])
+  with pytest.raises(ValueError, match='length'):
+    amax_history.init(0)
+
+
+def test_observation_from_codes_saturation_doubles_underflow_bounds():
+  e4 = jnp.float8_e4m3fn
+  scale = jnp.float32(0.25)
+  exact = delayed_scaling.observe_codes(jnp.array([-96.0, 3.0], e4), scale)
+  assert float(exact) == 24.0
+  assert float(delayed_scaling.observe_codes(jnp.array([448.0], e4), scale)) == 2 * 448 * 0.25
+  under = float(delayed_scaling.observe_codes(jnp.zeros(4, jnp.float8_e5m2), scale))
+  assert under == float(jnp.finfo(jnp.float8_e5m2).smallest_subnormal) / 2 * 0.25
+
+
+def test_delayed_path_scales_from_the_history_and_pushes_what_it_saw():
+  x, w, g = _inputs(1)
+  x[0, 0] = 40.0  # past the history: x saturates this step
+  past = np.array([4.0, 0.5, 8e-3], np.float32)  # g stays within its history
+  history = jnp.asarray(amax_history.init(4)).at[:, 1].set(past)
+  outs = jax.jit(lambda *a: _vjp(path_dot(delayed_scaling.FP8_PATH), *a))(x, w, g, history)
+  dtypes = (jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2)
+  scales = [float(2.0 ** np.ceil(np.log2(a / float(jnp.finfo(d).max))))
+            for a, d in zip(past, dtypes)]
+  _check_legs(outs[:3], x, w, g, scales, dtypes)
+  pushed = np.asarray(outs[3])
+  np.testing.assert_array_equal(pushed[:, 1:], np.asarray(history)[:, :3])
+  assert pushed[0, 0] == 2 * 448 * scales[0]                    # saturated: doubled
+  assert pushed[1, 0] == np.max(np.abs(w))                      # W: its true amax
+  top_g = np.max(np.abs(_np_codes(g, scales[2], jnp.float8_e5m2)))
+  assert pushed[2, 0] == np.float32(top_g * scales[2])           # g: from its codes
+  assert np.asarray(amax_history.overflow(outs[3])).tolist() == [True, False, False]
+
+
+def _routed_case(storage, recover, seed=2):
+  x, w, g = _inputs(seed)
+  history = jnp.asarray(amax_history.init(4)).at[:, 0].set(
+      jnp.array([np.abs(x).max(), np.abs(w).max(), np.abs(g).max()]))
+  config = precision.default_precision_config()
+  config.mode, config.low_cost_path, config.scaling = 'gnmr', 'fp8', 'delayed'
+  config.recovery_storage = storage
+  policy = precision.make_policy(config, max_recovered=1)
+  side = policy.init_side((M,), [(K, N)], jnp.float32)
+
+  def loss(x, w, history):
+    y, out = policy.dot_side(x, w, jnp.array(recover), side, history=history)
+    return side_buffer.attach(jnp.vdot(y, jnp.asarray(g)), out)
+
+  value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, w, history)
+  return value, grads, (x, w, g, history)
+
+
+@pytest.mark.parametrize('storage', ['per_unit', 'side_buffer'])
+def test_routed_delayed_is_the_static_path_or_bf16_and_observes_either_way(storage):
+  value, (dx, dw, pushed), (x, w, g, history) = _routed_case(storage, recover=False)
+  static = jax.jit(lambda *a: _vjp(path_dot(delayed_scaling.FP8_PATH), *a))(x, w, g, history)
+  np.testing.assert_array_equal(dx, static[1])
+  np.testing.assert_array_equal(dw, static[2])
+  np.testing.assert_array_equal(pushed, static[3])
+  value, (dx, dw, pushed_rec), _ = _routed_case(storage, recover=True)
+  bf16 = jax.jit(lambda *a: _vjp(precision.bf16.bf16_dot, *a))(x, w, g)
+  np.testing.assert_array_equal(dx, bf16[1])
+  np.testing.assert_array_equal(dw, bf16[2])
+  # The codes are quantized outside the cond, so a recovered step observes the same amaxes.
+  np.testing.assert_array_equal(pushed_rec, pushed)
+
+
+def test_scaling_config_is_validated_where_the_path_is_built():
+  config = precision.default_precision_config()
+  config.mode, config.low_cost_path = 'static', 'int8'
+  config.scaling = 'delayed'
+  with pytest.raises(ValueError, match=r"'int8' path has no 'delayed' scaling.*'row', 'tensor'"):
+    precision.make_policy(config)
+  config.scaling = 'block'
+  with pytest.raises(ValueError, match=r"'scaling' must be one of \('row', 'tensor', 'delayed'"):
+    precision.make_policy(config)
+  config.scaling, config.amax_history_length = 'row', 0
+  with pytest.raises(ValueError, match='amax_history_length'):
+    precision.make_policy(config)
+  assert scaling.names() == ('row', 'tensor', 'delayed')
+  config = precision.default_precision_config()
+  config.mode, config.low_cost_path, config.scaling = 'static', 'fp8', 'delayed'
+  policy = precision.make_policy(config)
+  assert policy.takes_history and policy.amax_history_length == 16
+  with pytest.raises(ValueError, match='amax history'):
+    policy.dot(jnp.ones((2, 4)), jnp.ones((4, 3)))
+
+
+@pytest.mark.plumbing  # both runs without XLA optimizations
+def test_delayed_histories_train_checkpoint_and_resume_bit_for_bit(tmp_path, data_dirs):
+  from gnmr_jax import train_loop  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
+  from tests.train_helpers import small_config  # pylint: disable=g-import-not-at-top
+  config = small_config(data_dirs, **{
+      'train.steps': 4, 'train.eval_every': 0, 'checkpoint.every_steps': 2,
+      'precision.low_cost_path': 'fp8', 'precision.scaling': 'delayed',
+      'precision.amax_history_length': 3})
+  data = make_data(config.data)
+  devices = jax.devices()[:1]
+  run = train_loop.build(config, data=data, devices=devices)
+  state = run.init_state(jax.random.key(0))
+  assert jax.tree.leaves(state.amax_history) and not np.any(
+      [np.any(np.asarray(h)) for h in jax.tree.leaves(state.amax_history)])
+  one = train_loop.train_and_evaluate(config, str(tmp_path / 'a'), data=data, devices=devices)
+  first = train_loop.train_and_evaluate(config, str(tmp_path / 'b'), data=data,
+                                        devices=devices, stop_at=2)
+  assert first['preempted'] and first['step'] == 2
+  two = train_loop.train_and_evaluate(config, str(tmp_path / 'b'), data=data, devices=devices)
+  assert one['eval_loss'] == two['eval_loss']
+  states = []
+  for name in ('a', 'b'):
+    ckpt = train_loop.checkpointing.Checkpointer(str(tmp_path / name), 2)
+    abstract = jax.eval_shape(run.init_state, jax.random.key(0))
+    fingerprint = train_loop.checkpointing.config_fingerprint(run.config, data.vocab_size)
+    step, restored, _ = ckpt.restore(
+        train_loop.checkpointing.abstract_like(abstract, run.state_shardings), fingerprint)
+    ckpt.close()
+    assert step == 4
+    states.append(jax.tree.map(np.asarray, restored))
+  jax.tree.map(np.testing.assert_array_equal, states[0], states[1])
+  # Every projection observed 3 steps of amaxes (x, W, g; the last 3 of 4), all positive.
+  for history in jax.tree.leaves(states[0].amax_history):
+    assert history.shape == (config.model.num_layers, 3, 3) and np.all(history > 0), history
