@@ -133,6 +133,36 @@ def projection_recover_bits(recovery_mask: Any, num_layers: int) -> dict:
   return bits
 
 
+def amax_overflow_units(params: Any, amax_history: dict) -> Any:
+  """A params-shaped bool tree: per projection kernel, bool[L], whether this step's x or output
+  gradient amax outgrew its history (its codes saturated: amax_history.overflow); False for
+  every other leaf. What the controller reads as risk (``tx.update(..., overflow=...)``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from gnmr_jax.model_configs import model_config
+    >>> history = init_amax_history(model_config('tiny'), 2)
+    >>> history['mlp']['up'] = history['mlp']['up'].at[1, 2].set(jnp.array([5.0, 1.0]))
+    >>> params = {'layers': {g: {n: {'kernel': 0} for n in names}
+    ...                      for g, names in PROJECTIONS.items()}, 'lm_head': 0}
+    >>> tree = amax_overflow_units(params, history)
+    >>> tree['layers']['mlp']['up']['kernel'].tolist(), tree['lm_head']
+    ([False, True, False, False], False)
+  """
+  flags = {group: {name: jnp.any(jax.vmap(amax_history_lib.overflow)(history)[:, (0, 2)],
+                                 axis=1)
+                   for name, history in names.items()}
+           for group, names in amax_history.items()}
+
+  def leaf(path, _):
+    keys = [getattr(k, 'key', None) for k in path]
+    if len(keys) == 4 and keys[0] == 'layers' and keys[3] == 'kernel':
+      return flags[keys[1]][keys[2]]
+    return False
+
+  return jax.tree_util.tree_map_with_path(leaf, meta.unbox(params))
+
+
 def unit_kernel_shapes(config: ml_collections.ConfigDict) -> list[tuple[int, int]]:
   """[K, N] of the seven projection kernels of one layer (q, k, v, o, gate, up, down)."""
   d, heads = config.d_model, config.num_heads
@@ -154,7 +184,7 @@ def init_amax_history(config: ml_collections.ConfigDict, length: int) -> dict:
     >>> from gnmr_jax.model_configs import model_config
     >>> history = init_amax_history(model_config('tiny'), 16)
     >>> history['mlp']['down'].shape
-    (2, 3, 16)
+    (4, 3, 16)
   """
   empty = amax_history_lib.init(length)
   return {group: {name: jnp.broadcast_to(empty, (config.num_layers,) + empty.shape)

@@ -21,6 +21,7 @@ from gnmr_jax.control import recovery_gap as gap_lib
 from gnmr_jax.control import state as control_state
 from gnmr_jax.control.priorities import PriorityState, noise_fraction
 from gnmr_jax.control.units import UnitLayout
+from gnmr_jax.model import amax_overflow_units
 
 
 class TrainState(NamedTuple):
@@ -139,6 +140,10 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
   if injector is not None:
     grads = injector.corrupt_grads(grads, step_number)
   extra = {}
+  if amax_history is not None and ctl is not None:
+    # Delayed scaling: a unit whose amax outgrew its history saturated this step; the
+    # controller reads it as risk (control/paper.py, "Edge rules").
+    extra["overflow"] = amax_overflow_units(state.params, amax_history)
   if spec.probe is not None:  # one extra forward+backward on the measured steps only
     gap_measured, extra["recovery_gap"] = spec.probe(
         step_number, gradient_passes(spec, state.params, batch, state.amax_history),

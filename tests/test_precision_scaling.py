@@ -246,3 +246,20 @@ def test_delayed_histories_train_checkpoint_and_resume_bit_for_bit(tmp_path, dat
   # Every projection observed 3 steps of amaxes (x, W, g; the last 3 of 4), all positive.
   for history in jax.tree.leaves(states[0].amax_history):
     assert history.shape == (config.model.num_layers, 3, 3) and np.all(history > 0), history
+
+
+def test_the_controller_reads_an_overflowed_unit_as_risk():
+  import gnmr_jax  # pylint: disable=g-import-not-at-top
+  params = {'a': jnp.ones((2, 2)), 'b': jnp.ones((2, 2)), 'c': jnp.ones((2, 2))}
+  tx = gnmr_jax.gnmr(alpha=2.0, beta=1.5, delta=4, max_o=1, t_lock=2)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for _ in range(3):  # calm: equal norms every step
+    _, state = update(params, state)
+  assert not any(jax.tree.leaves(gnmr_jax.recovery_mask(state)))
+  overflow = {'a': False, 'b': True, 'c': True}
+  _, state = update(params, state, overflow=overflow)
+  # Both overflowed units are risky; the budget (max_o=1) takes the first in tree order.
+  assert jax.tree.map(bool, gnmr_jax.recovery_mask(state)) == {'a': False, 'b': True,
+                                                               'c': False}
+  assert int(state.telemetry.num_risky) == 2

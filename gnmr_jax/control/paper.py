@@ -27,6 +27,10 @@ Edge rules (this project's reading of the paper):
     that is True at steps t .. t + t_lock (t_lock + 1 steps).
   * alpha and beta may be optax schedules; they are evaluated at the number of
     updates done before this one (0 on the first update), like optax schedules.
+  * ``update(..., overflow=tree)`` (a params-shaped bool tree, per unit): units whose
+    low-cost path overflowed this step (delayed scaling: an amax past the unit's history
+    saturated its codes; ``gnmr_jax.model.amax_overflow_units``) are risky too, with a score of
+    at least 1 (a threshold's worth), so they compete for the budget like an alarm.
 
 The transform passes updates through unchanged, so it chains anywhere; put it
 first so that it sees the raw gradients.
@@ -246,7 +250,7 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
           f"must have the structure of the params given to init.")
     return held.layout
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates, state, params=None, overflow=None, **extra_args):
     del params, extra_args
     # The rows follow the layout held in the state (made at init), so the state's pytree
     # structure is the same after every update (jit caches, scan carries, donation).
@@ -275,6 +279,10 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
 
     risky = (ratio > alpha_t) | (delta_ratio > beta_t) | ~finite
     score = jnp.where(finite, jnp.maximum(ratio / alpha_t, delta_ratio / beta_t), jnp.inf)
+    if overflow is not None:  # see "Edge rules": a saturated low-cost step is an alarm
+      overflowed = layout.flat(overflow).astype(jnp.bool_)
+      risky = risky | overflowed
+      score = jnp.where(overflowed, jnp.maximum(score, 1.0), score)
     candidate = risky | (lock > 0)
     # Top max_o candidates by score; a stable sort keeps tree order among ties.
     key = jnp.where(candidate, -score, jnp.inf)
