@@ -10,7 +10,9 @@ out) per variant, timed interleaved in one run:
 
 Columns: compile seconds, XLA's temporaries (MiB), ms per step, and the speed-up over the
 reference. Then the same `both` step for the low-cost paths (--paths) against bf16 `both`: what
-the GEMM paths buy once the step around them is fast. Last line:
+the GEMM paths buy once the step around them is fast. A path may name its scaling recipe and
+mode, `path[:scaling[:gnmr]]` (issue 45: `fp8:delayed`, `fp8:delayed:gnmr` routed with nothing
+recovered; a delayed step takes its amax histories and returns the next ones). Last line:
 `fast_step_speedup: <reference ms / both ms>`.
 
   python benchmarks/fast_step.py                                    # tiny config, CPU size
@@ -32,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._timing import compile_stats, interleaved_seconds, temp_mib  # noqa: E402
 from gnmr_jax import attention, precision  # noqa: E402
-from gnmr_jax.model import Transformer  # noqa: E402
+from gnmr_jax.model import PROJECTIONS, Transformer, init_amax_history  # noqa: E402
 from gnmr_jax.model_configs import model_config  # noqa: E402
 
 VARIANTS = {  # name: (attention, fused loss)
@@ -41,24 +43,38 @@ VARIANTS = {  # name: (attention, fused loss)
 
 
 def policy_for(path):
+  """'fp8', 'fp8:tensor', 'fp8:delayed:gnmr' -> the policy (routed for ':gnmr')."""
+  parts = path.split(':')
+  name, scaling, mode = parts[0], (parts[1:2] or ['row'])[0], (parts[2:3] or ['static'])[0]
   cfg = precision.default_precision_config()
-  cfg.mode, cfg.low_cost_path = 'static', path
+  cfg.mode, cfg.low_cost_path, cfg.scaling = mode, name, scaling
+  cfg.recovery_storage = 'per_unit'  # the trainer's under remat: nothing kept per unit
   return precision.make_policy(cfg)
 
 
 def make_step(model_cfg, path, attention_impl, fused_loss):
   cfg = ml_collections.ConfigDict(model_cfg.to_dict())
   cfg.attention = attention_impl
-  model = Transformer(cfg, policy_for(path))
+  policy = policy_for(path)
+  model = Transformer(cfg, policy)
+  extra = {}
+  if policy.routed:  # nothing recovered: every bit False
+    extra['recovery_mask'] = {'layers': {group: {name: {'kernel': jax.numpy.zeros(
+        cfg.num_layers, bool)} for name in names} for group, names in PROJECTIONS.items()}}
+  history = (jax.tree.map(lambda h: h + 1.0, init_amax_history(cfg, policy.amax_history_length))
+             if policy.takes_history else None)
 
-  def loss(params, tokens):
+  def loss(params, tokens, history):
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    kwargs = dict(extra, **({'amax_history': history} if history is not None else {}))
     if fused_loss:
-      return model.apply({'params': params}, inputs, targets=targets) / targets.size
-    logits = model.apply({'params': params}, inputs)
+      return model.apply({'params': params}, inputs, targets=targets, **kwargs) / targets.size
+    logits = model.apply({'params': params}, inputs, **kwargs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-  return model, jax.jit(jax.value_and_grad(loss))
+  # A delayed step returns the next histories too (the gradient of its histories).
+  grads = jax.value_and_grad(loss, argnums=(0, 2) if history is not None else 0)
+  return model, jax.jit(lambda params, tokens: grads(params, tokens, history))
 
 
 def main():

@@ -13,8 +13,9 @@
 # SMALL=1 runs the same steps at CPU sizes: a dry run here before spending device time
 # (PATH=.venv/bin:$PATH SMALL=1 bash scripts/gpu_checks.sh). STEPS=a,b runs only those steps:
 # on a Blackwell GPU the steps take more than one 600 s call, so run
-# STEPS=microscaling_native first and the others in a second call. Issue 44's fast_step (240 s)
-# goes first on any GPU, in a call of its own: STEPS=fast_step, then the rest.
+# STEPS=microscaling_native first and the others in a second call. Issue 45's scaling_recipes
+# (300 s) goes first on any GPU, in a call of its own (STEPS=scaling_recipes), then issue 44's
+# fast_step (240 s, STEPS=fast_step), then the rest.
 set -u
 OUT=${OUT:-/tmp/gpu_checks}
 mkdir -p "$OUT"
@@ -51,6 +52,12 @@ fi
 # emulation, fp8 and bf16, static, every projection on the path.
 step microscaling_native 200 python3 benchmarks/microscaling_step.py "${NATIVE[@]}" \
   --variants "fp8,mxfp8,mxfp8 native,nvfp4,nvfp4 native" --rounds 3 --iters 3
+# Issue 45: each fp8 / int8 scaling recipe's 1B step (precision.scaling: row, tensor, delayed;
+# delayed also routed with nothing recovered) against the bf16 step, all on issue 44's fast step
+# (cuDNN attention, fused loss), static unless ':gnmr'. The model's projection of the same:
+# benchmarks/aot_step_time.py --part quantization (BENCHMARKS.md "Scaling recipes").
+step scaling_recipes 300 python3 benchmarks/fast_step.py "${FAST[@]}" \
+  --paths fp8,fp8:tensor,fp8:delayed,fp8:delayed:gnmr,int8:tensor --rounds 3 --iters 3
 # Issue 44: the 1B step with cuDNN flash attention and the fused chunked loss against the
 # reference (float32 scores, float32 [B, S, V] logits), each alone and together, then fp8 /
 # int8 on the fast step; the AOT report's projection for it: python -m gnmr_jax.aot

@@ -68,8 +68,8 @@ def observe_codes(codes: jax.Array, scale: jax.Array) -> jax.Array:
 def delayed_path(activation_dtype, weight_dtype, gradient_dtype) -> path_lib.Path:
   """A ``Path`` that takes the unit's history and scales every operand from it.
 
-  Residuals: the codes of ``x`` (not ``x``), the two forward scales and the history row of
-  the gradient. ``W``'s codes are recast in the backward at the saved scale; its amax is read
+  Residuals: the codes of ``x`` (not ``x``; transposed, as the weight gradient's GEMM takes
+  them), the two forward scales and the history row of the gradient. ``W``'s codes are recast in the backward at the saved scale; its amax is read
   from the float32 master (a weight is small beside the activations).
 
   Example:
@@ -82,32 +82,37 @@ def delayed_path(activation_dtype, weight_dtype, gradient_dtype) -> path_lib.Pat
     ([2.0, 2.0, 2.0], [[0.5, 1.0], [1.0, 1.0], [1.0, 4.0]])
   """
 
+  # The codes are laid out as the fp8 GEMMs take them (both operands contracting their last
+  # axis): x's and W's transposed codes are made with the codes, where XLA fuses them into the
+  # producer; a routed dot makes them outside its conditional too (path.Hoisted).
   def quantize_inputs(x, kernel, history):
     x_scale = history_scale(history[0], activation_dtype)
     kernel_scale = history_scale(history[1], weight_dtype)
     x_codes = tensor_scaling.codes(x, x_scale, activation_dtype)
-    kernel_codes = tensor_scaling.codes(kernel, kernel_scale, weight_dtype)
+    kernel_codes_t = tensor_scaling.codes(kernel.T, kernel_scale, weight_dtype)
     observed = jnp.stack([observe_codes(x_codes, x_scale), amax_history.amax(kernel)])
-    return (x_codes, kernel_codes, x_scale, kernel_scale, history[2]), observed
+    return (x_codes, x_codes.T, kernel_codes_t, x_scale, kernel_scale, history[2]), observed
 
   def forward_from_codes(operands, out_dtype):
-    x_codes, kernel_codes, x_scale, kernel_scale, gradient_row = operands
-    y = tensor_scaling.scaled_matmul(x_codes, kernel_codes, x_scale * kernel_scale, out_dtype)
-    return y, (x_codes, x_scale, kernel_scale, gradient_row)
+    x_codes, x_codes_t, kernel_codes_t, x_scale, kernel_scale, gradient_row = operands
+    y = tensor_scaling.scaled_matmul(x_codes, kernel_codes_t, x_scale * kernel_scale,
+                                     out_dtype, rhs_transposed=True)
+    return y, (x_codes_t, x_scale, kernel_scale, gradient_row)
 
   def quantize_gradient(g, gradient_row):
     g_scale = history_scale(gradient_row, gradient_dtype)
     g_codes = tensor_scaling.codes(g, g_scale, gradient_dtype)
-    return (g_codes, g_scale), observe_codes(g_codes, g_scale)
+    return (g_codes, g_codes.T, g_scale), observe_codes(g_codes, g_scale)
 
   def backward_from_codes(residuals, x, kernel, g_operands, dx_dtype):
-    x_codes, x_scale, kernel_scale, _ = residuals
-    g_codes, g_scale = g_operands
+    x_codes_t, x_scale, kernel_scale, _ = residuals
+    g_codes, g_codes_t, g_scale = g_operands
     kernel_codes = tensor_scaling.codes(kernel, kernel_scale, weight_dtype)
-    dx = tensor_scaling.scaled_matmul(g_codes, kernel_codes.T, g_scale * kernel_scale,
-                                      dx_dtype, explicit_sharding.out_sharding(x))
-    dkernel = tensor_scaling.scaled_matmul(x_codes.T, g_codes, x_scale * g_scale,
-                                           kernel.dtype, explicit_sharding.out_sharding(kernel))
+    dx = tensor_scaling.scaled_matmul(g_codes, kernel_codes, g_scale * kernel_scale, dx_dtype,
+                                      explicit_sharding.out_sharding(x), rhs_transposed=True)
+    dkernel = tensor_scaling.scaled_matmul(x_codes_t, g_codes_t, x_scale * g_scale,
+                                           kernel.dtype, explicit_sharding.out_sharding(kernel),
+                                           rhs_transposed=True)
     return dx, dkernel
 
   def forward(x, kernel, history):

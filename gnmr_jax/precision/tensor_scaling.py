@@ -74,22 +74,29 @@ def codes(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
   return y.astype(dtype)
 
 
+# [M, C] x [N, C] -> [M, N]: both operands contract their minor axis (cuBLASLt's fp8 "TN").
+NT_DIMS = (((1,), (1,)), ((), ()))
+
+
 def scaled_matmul(q_lhs: jax.Array, q_rhs: jax.Array, scale: jax.Array, out_dtype,
-                  out_sharding=None) -> jax.Array:
+                  out_sharding=None, rhs_transposed: bool = False) -> jax.Array:
   """``scale * (q_lhs [M, C] @ q_rhs [C, N])`` from 8-bit codes, in ``out_dtype``.
+
+  ``rhs_transposed``: ``q_rhs`` is given as [N, C] (both operands contract their last axis,
+  the layout an fp8 GEMM takes, so a caller that has the transposed codes spares XLA a
+  transpose where it cannot fuse one, inside a routed dot's conditional).
 
   fp8: the GEMM returns ``out_dtype`` when it is bf16 (float32 accumulation, one rounding; the
   scale must then be a power of two so that its bf16 multiply is exact), float32 otherwise.
   int8: int32 accumulation, rescaled in float32.
   """
   kwargs = explicit_sharding.dot_kwargs(out_sharding)
+  dims = NT_DIMS if rhs_transposed else quantize.MATMUL_DIMS
   if jnp.issubdtype(q_lhs.dtype, jnp.integer):
-    acc = lax.dot_general(q_lhs, q_rhs, quantize.MATMUL_DIMS,
-                          preferred_element_type=jnp.int32, **kwargs)
+    acc = lax.dot_general(q_lhs, q_rhs, dims, preferred_element_type=jnp.int32, **kwargs)
     return (acc.astype(jnp.float32) * scale).astype(out_dtype)
   result = jnp.bfloat16 if jnp.dtype(out_dtype) == jnp.bfloat16 else jnp.float32
-  acc = lax.dot_general(q_lhs, q_rhs, quantize.MATMUL_DIMS, preferred_element_type=result,
-                        **kwargs)
+  acc = lax.dot_general(q_lhs, q_rhs, dims, preferred_element_type=result, **kwargs)
   # The product of scalars stays in float32 until it meets the result (a power of two: exact).
   return (acc * scale.astype(result)).astype(out_dtype)
 
