@@ -48,6 +48,8 @@ SCRIPTS = [
      ["benchmarks/aot_step_time.py", "--no_compile"]),
     ("The step around the GEMMs: attention kernels, fused loss, layer layout (issue 44)",
      ["benchmarks/aot_step_time.py", "--part", "fast_step", "--no_compile"]),
+    ("Scaling recipes: quantization that costs less than it saves (issue 45)",
+     ["benchmarks/aot_step_time.py", "--part", "quantization", "--no_compile"]),
 ]
 AOT_PYTHON = os.path.join(ROOT, ".venv-aot", "bin", "python")  # scripts named aot_* run there
 

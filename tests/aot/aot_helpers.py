@@ -24,15 +24,15 @@ def load_config(name: str, arg=None):
 
 
 def tier_config(mode: str = 'static', path: str = 'int8', batch=None, recovery: str = 'bf16',
-                **model):
+                scaling: str = 'row', **model):
   """configs/tiny.py:runlocal (2 layers, d_model 64, batch 4 x 32): seconds to compile.
 
   `batch` = (batch_size, seq_len) replaces the data shape; `recovery` is the recovery path;
-  `model` fields replace the model's.
+  `scaling` the int8 / fp8 scaling recipe; `model` fields replace the model's.
   """
   config = load_config('tiny', 'runlocal')
   config.precision.mode, config.precision.low_cost_path = mode, path
-  config.precision.recovery_path = recovery
+  config.precision.recovery_path, config.precision.scaling = recovery, scaling
   if batch is not None:
     config.data.batch_size, config.data.seq_len = batch
   for field, value in model.items():
@@ -42,9 +42,9 @@ def tier_config(mode: str = 'static', path: str = 'int8', batch=None, recovery: 
 
 @functools.lru_cache(maxsize=None)
 def compiled(target: str, mode: str = 'static', path: str = 'int8', step: str = 'train',
-             batch=None, recovery: str = 'bf16', **model):
+             batch=None, recovery: str = 'bf16', scaling: str = 'row', **model):
   """(config, report, inventory) of the tier config's `step` compiled for `target`."""
-  config = tier_config(mode, path, batch, recovery, **dict(model))
+  config = tier_config(mode, path, batch, recovery, scaling, **dict(model))
   report = compile_lib.compile_config(config, target, steps=(step,), keep_hlo=True)
   inventory = inventory_lib.parse(report['steps'][step].pop('hlo'))
   return config, report, inventory

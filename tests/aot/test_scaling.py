@@ -1,0 +1,68 @@
+"""The scaling recipes (precision.scaling) in the compiled program: every projection leg stays
+an 8-bit GEMM, the scale rides in the cuBLASLt call (a bf16 result, no float32 [M, N] pass),
+and a routed delayed-scaling dot quantizes outside its conditional.
+
+Shapes as test_gemms.py (H100: 128 x 128 tokens, 4 layers, remat 'full', bf16); the step-time
+model prices the programs it compiles (device constants unchanged), which is how each recipe's
+quantization is shown cheaper than the one before: the non-GEMM time of the step.
+"""
+
+import pytest
+
+from aot_helpers import FP8_KINDS, compiled, kinds, projection_forward_flops
+from aot_helpers import projection_gemms, total_flops
+from gnmr_jax.aot import device_specs, inventory as inventory_lib, step_time
+
+SHAPE = dict(batch=(128, 128), remat='full', num_layers=4, dtype='bfloat16')
+TPU_SHAPE = dict(SHAPE, batch=(32, 64))
+
+
+def _non_gemm_seconds(inventory, target='h100'):
+  priced = step_time.price(step_time.summarize(inventory), device_specs.get_spec(target))
+  return priced.total_s - sum(v for k, v in priced.by_category.items() if k.startswith('gemm'))
+
+
+@pytest.mark.xdist_group('h100_scaling')
+@pytest.mark.parametrize('scaling', ['tensor', 'delayed'])
+def test_h100_fp8_recipes_keep_fp8_gemms_and_write_bf16(scaling):
+  config, report, inventory = compiled('h100', 'static', 'fp8', scaling=scaling, **SHAPE)
+  gemms = projection_gemms(inventory)
+  assert kinds(gemms) <= FP8_KINDS, kinds(gemms)
+  assert total_flops(gemms) >= 3 * projection_forward_flops(config)    # remat recomputes
+  # The forward and input-gradient legs ask the GEMM for bf16 with the scale folded in; only
+  # the weight gradient (a float32 kernel's) returns float32.
+  bf16_result = sum(g.total_flops for g in gemms if g.result == 'bf16')
+  assert bf16_result >= 2 * projection_forward_flops(config), kinds(gemms)
+  assert report['steps']['train']['conditionals'] == 0
+
+
+@pytest.mark.xdist_group('h100_scaling')
+def test_h100_each_recipe_spends_less_around_its_gemms_than_the_one_before():
+  seconds = {scaling: _non_gemm_seconds(compiled('h100', 'static', 'fp8', scaling=scaling,
+                                                 **SHAPE)[2])
+             for scaling in ('row', 'tensor', 'delayed')}
+  assert seconds['delayed'] < seconds['tensor'] < seconds['row'], seconds
+
+
+@pytest.mark.xdist_group('h100_scaling')
+def test_h100_routed_delayed_quantizes_outside_the_conditional():
+  config, _, inventory = compiled('h100', 'gnmr', 'fp8', scaling='delayed', **SHAPE)
+  low_cost = projection_gemms(inventory, branch=0)
+  assert kinds(low_cost) <= FP8_KINDS, kinds(low_cost)
+  assert total_flops(low_cost) >= 3 * projection_forward_flops(config)
+  recovered = projection_gemms(inventory, branch=1)
+  assert kinds(recovered) <= {'cublaslt bf16 x bf16 -> f32', 'cublaslt bf16 x bf16 -> bf16'}
+  # Inside the low-cost branches only the GEMMs touch 8-bit data: every cast to fp8 (and its
+  # transposed copy) is made outside the conditional, in the operand's producer.
+  casts_inside = [k.name for k in inventory_lib.kernels(inventory)
+                  if k.branches and any(index == 0 for _, index in k.branches) and not k.flops
+                  and any(d.startswith('f8') for d in k.dtypes) and k.bytes_written > 4096]
+  assert not casts_inside, casts_inside
+
+
+@pytest.mark.xdist_group('v5e_int8')
+def test_tpu_int8_tensor_recipe_keeps_s8_convolutions():
+  config, _, inventory = compiled('v5e-1', 'static', 'int8', scaling='tensor', **TPU_SHAPE)
+  gemms = projection_gemms(inventory)
+  assert kinds(gemms) == {'convolution s8 x s8 -> s32'}
+  assert total_flops(gemms) >= 3 * projection_forward_flops(config)
