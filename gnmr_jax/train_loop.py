@@ -36,6 +36,7 @@ from gnmr_jax.model import Transformer, init_amax_history
 from gnmr_jax.model_configs import static_scan_unroll
 from gnmr_jax.optim import learning_rate_schedule, make_optimizer
 from gnmr_jax.precision import make_policy, native_microscaling, recovery_policy
+from gnmr_jax.precision import scaling as scaling_lib
 from gnmr_jax.train_step import StepSpec as StepSpec
 from gnmr_jax.train_step import TrainState as TrainState
 from gnmr_jax.train_step import cross_entropy as cross_entropy
@@ -95,10 +96,12 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   validate_config(config, len(devices) if devices is not None else jax.device_count())
   if mesh is None:
     mesh = sharding.make_mesh(config.mesh, devices)
-  # 'auto' microscaling GEMMs resolved for the mesh's devices (compile-only ones included),
-  # and recorded: every policy built from this config below, and run.config, say which.
+  # 'auto' microscaling GEMMs and scaling recipe resolved for the mesh's devices (compile-only
+  # ones included), and recorded: every policy built from this config below, and run.config,
+  # say which.
   device = mesh.devices.flat[0]
-  config.precision = native_microscaling.resolved_config(config.precision, device)
+  config.precision = scaling_lib.resolved_config(
+      native_microscaling.resolved_config(config.precision, device), device)
   policy = make_policy(config.precision, device=device,
                        max_recovered=config.gnmr.max_o if config.gnmr.enabled else None)
   if data is None:

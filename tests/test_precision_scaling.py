@@ -263,3 +263,20 @@ def test_the_controller_reads_an_overflowed_unit_as_risk():
   assert jax.tree.map(bool, gnmr_jax.recovery_mask(state)) == {'a': False, 'b': True,
                                                                'c': False}
   assert int(state.telemetry.num_risky) == 2
+
+
+def test_auto_scaling_resolves_per_low_cost_path_and_platform():
+  class Device:  # what resolve reads of a jax Device
+    def __init__(self, platform):
+      self.platform = platform
+  table = {('fp8', 'cuda'): 'delayed', ('int8', 'gpu'): 'tensor', ('int8', 'tpu'): 'tensor',
+           ('int8', 'cpu'): 'row', ('fp8', 'cpu'): 'row', ('bf16', 'gpu'): 'row'}
+  for (path, platform), expect in table.items():
+    assert scaling.resolve('auto', path, Device(platform)) == expect, (path, platform)
+  assert scaling.resolve('tensor', 'fp8', Device('cpu')) == 'tensor'
+  config = precision.default_precision_config()
+  config.mode, config.low_cost_path, config.scaling = 'static', 'fp8', 'auto'
+  assert precision.make_policy(config, device=Device('gpu')).takes_history
+  assert precision.make_policy(config).low_cost is precision.fp8.PATH   # this CPU: 'row'
+  assert scaling.resolved_config(config, Device('gpu')).scaling == 'delayed'
+  assert config.scaling == 'auto'                                         # not changed in place

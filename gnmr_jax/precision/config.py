@@ -38,7 +38,9 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # operands quantized per unit and step), 'tensor' (one current scale per tensor, each of x,
   # W and the output gradient quantized once per step, the scale folded into the GEMM) or
   # 'delayed' (per tensor, from the unit's amax history: the casts fuse into the operands'
-  # producers; a tensor whose amax jumps past its history saturates for that step).
+  # producers; a tensor whose amax jumps past its history saturates for that step), or 'auto'
+  # (per low-cost path and platform, scaling.AUTO_BY_PLATFORM, resolved where the policy is
+  # built and recorded in the run's config).
   config.scaling = 'row'
   # Steps of amax history a unit keeps for scaling='delayed' (Transformer Engine's
   # amax_history_len): each operand's scale comes from the largest amax of its last
@@ -113,7 +115,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   _check_choice(config, 'mode', MODES)
   _check_choice(config, 'low_cost_path', registry.available_paths())
   _check_choice(config, 'recovery_path', registry.available_paths())
-  _check_choice(config, 'scaling', scaling.names())
+  _check_choice(config, 'scaling', scaling.config_values())
   if (isinstance(config.amax_history_length, bool) or not isinstance(config.amax_history_length,
                                                                       int)
       or config.amax_history_length < 1):

@@ -58,10 +58,14 @@ def observe_codes(codes: jax.Array, scale: jax.Array) -> jax.Array:
     codes: the tensor's 8-bit codes at ``scale``.
     scale: float32[] its scale.
   """
-  info = jnp.finfo(codes.dtype)
-  largest = jnp.max(jnp.abs(codes)).astype(jnp.float32)
-  grow = jnp.where(largest >= float(info.max), SATURATION_GROWTH, 1.0)
-  underflow_bound = float(info.smallest_subnormal) / 2
+  if jnp.issubdtype(codes.dtype, jnp.integer):
+    top, smallest = quantize.MAX_VALUE[jnp.dtype(codes.dtype)], 1.0
+  else:
+    top, smallest = float(jnp.finfo(codes.dtype).max), float(
+        jnp.finfo(codes.dtype).smallest_subnormal)
+  largest = jnp.max(jnp.abs(codes.astype(jnp.float32)))
+  grow = jnp.where(largest >= top, SATURATION_GROWTH, 1.0)
+  underflow_bound = smallest / 2
   return jnp.where(largest > 0, largest * grow, underflow_bound) * scale
 
 

@@ -12,7 +12,7 @@ import ml_collections
 from gnmr_jax.precision import config as config_lib
 from gnmr_jax.precision import explicit_sharding
 from gnmr_jax.precision import path as path_lib
-from gnmr_jax.precision import native_microscaling, registry, routing, side_buffer
+from gnmr_jax.precision import native_microscaling, registry, routing, scaling, side_buffer
 
 
 def _check_dot_shapes(x, kernel) -> None:
@@ -315,7 +315,7 @@ def make_policy(config: ml_collections.ConfigDict,
     False
   """
   config_lib.validate_config(config)
-  config = native_microscaling.resolved_config(config, device)
+  config = scaling.resolved_config(native_microscaling.resolved_config(config, device), device)
   routed = config.mode == 'gnmr'
   low_cost = registry.get_path(config.low_cost_path)(config, 'low_cost')
   recovery = (registry.get_path(config.recovery_path)(config, 'recovery')
@@ -343,7 +343,7 @@ def recovery_policy(config: ml_collections.ConfigDict, device=None) -> Precision
     (False, 'bf16', 'bf16')
   """
   make_policy(config, device=device)  # validates every field
-  config = native_microscaling.resolved_config(config, device)
+  config = scaling.resolved_config(native_microscaling.resolved_config(config, device), device)
   name = config.recovery_path
   path = registry.get_path(name)(config, 'recovery')
   return PrecisionPolicy(routed=False, low_cost=path, recovery=path,

@@ -3,6 +3,10 @@
 A table of typed entries (``Scaling``), read by the config's validation, the docs, and each
 format's path builder (``builder``), which maps the configured recipe to that format's ``Path``.
 A recipe is added with ``register_scaling`` and a path per format that supports it.
+
+``'auto'`` is resolved once, where the policy is built for its devices (``resolved_config``, as
+``microscaling_impl`` is), to the entry ``AUTO_BY_PLATFORM`` names for the low-cost path on that
+platform, and recorded in the run's config.
 """
 
 from __future__ import annotations
@@ -10,7 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping
 
+import jax
+
 from gnmr_jax.precision import path as path_lib
+
+AUTO = 'auto'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +50,40 @@ def register_scaling(entry: Scaling) -> Scaling:
 def names() -> tuple[str, ...]:
   """The registered recipes' names, in registration order."""
   return tuple(_SCALINGS)
+
+
+def config_values() -> tuple[str, ...]:
+  """What the precision config's ``scaling`` field may hold: a registered name or 'auto'."""
+  return names() + (AUTO,)
+
+
+# scaling='auto' per (low-cost path, platform); anything else resolves to 'row'. The table's
+# reasons (BENCHMARKS.md "Scaling recipes", experiments/results/scaling_recipes/REPORT.md):
+# on GPUs and TPUs the per-tensor recipes cost the least around their GEMMs; delayed scaling
+# (fp8 only) lets each cast fuse into its producer. On a CPU nothing is faster either way, so
+# the precise 'row' recipe stays.
+AUTO_BY_PLATFORM = {('fp8', 'gpu'): 'delayed', ('int8', 'gpu'): 'tensor',
+                    ('int8', 'tpu'): 'tensor'}
+
+
+def resolve(value: str, low_cost_path: str, device=None) -> str:
+  """The recipe ``value`` names for ``low_cost_path`` on ``device`` (default jax.devices()[0]):
+  itself unless 'auto'."""
+  if value != AUTO:
+    return value
+  platform = (device or jax.devices()[0]).platform
+  platform = {'cuda': 'gpu', 'rocm': 'gpu'}.get(platform, platform)
+  return AUTO_BY_PLATFORM.get((low_cost_path, platform), ROW.name)
+
+
+def resolved_config(config, device=None):
+  """``config`` (a precision ConfigDict) with ``scaling='auto'`` resolved for ``device``; else
+  ``config`` itself."""
+  if config.scaling != AUTO:
+    return config
+  resolved = config.copy_and_resolve_references()
+  resolved.scaling = resolve(AUTO, config.low_cost_path, device)
+  return resolved
 
 
 def get(name: str) -> Scaling:
