@@ -280,3 +280,49 @@ def test_auto_scaling_resolves_per_low_cost_path_and_platform():
   assert precision.make_policy(config).low_cost is precision.fp8.PATH   # this CPU: 'row'
   assert scaling.resolved_config(config, Device('gpu')).scaling == 'delayed'
   assert config.scaling == 'auto'                                         # not changed in place
+
+
+def test_delayed_scaling_on_an_explicit_mesh_matches_one_device():
+  from gnmr_jax import sharding  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.model import PROJECTIONS, Transformer, init_amax_history  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.model_configs import model_config  # pylint: disable=g-import-not-at-top
+  cfg = model_config('tiny')
+  cfg.update(dict(vocab_size=192, d_model=64, num_layers=2, num_heads=2, num_kv_heads=2,
+                  ffn_dim=128, max_seq_len=32))
+  config = precision.default_precision_config()
+  config.mode, config.low_cost_path, config.scaling = 'gnmr', 'fp8', 'delayed'
+  config.recovery_storage = 'per_unit'
+  model = Transformer(cfg, precision.make_policy(config))
+  tokens = np.random.default_rng(0).integers(0, 192, (8, 33)).astype(np.int32)
+  # a history from one earlier step: every scale set, none saturating by much
+  history = jax.tree.map(lambda h: h.at[:, :, 0].set(jnp.array([4.0, 0.5, 1e-3])),
+                         init_amax_history(cfg, 4))
+  mask = {'layers': {g: {n: {'kernel': jnp.arange(2) == 0} for n in names}
+                     for g, names in PROJECTIONS.items()}}
+
+  def loss(params, history, inputs, targets):
+    return model.apply({'params': params}, inputs, recovery_mask=mask, targets=targets,
+                       amax_history=history) / targets.size
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  one_mesh = jax.make_mesh((1, 1, 1), sharding.MESH_AXES, devices=jax.devices()[:1])
+  with jax.set_mesh(one_mesh):
+    params = jax.tree.map(np.asarray, sharding.init_params(model, jax.random.key(0), one_mesh))
+  want_loss, (_, want_history) = step(params, history, tokens[:, :-1], tokens[:, 1:])
+  mesh = jax.make_mesh((2, 2, 2), sharding.MESH_AXES)
+  with jax.set_mesh(mesh):
+    sharded = sharding.init_params(model, jax.random.key(0), mesh)
+    batch = sharding.batch_sharding(mesh)
+    with sharding.activation_sharding(mesh):
+      got_loss, (_, got_history) = step(sharded, history, jax.device_put(tokens[:, :-1], batch),
+                                        jax.device_put(tokens[:, 1:], batch))
+  # Same params, other reduction orders (so an fp8 code at a rounding tie may flip): the
+  # observed amaxes within one code step of their format (one e4m3 / e5m2 spacing at the top:
+  # 2^-3 / 2^-2 relative), the weights' exactly (a max is order-free), the older columns as
+  # given.
+  assert np.isfinite(got_loss) and np.isfinite(want_loss)
+  for got, want in zip(jax.tree.leaves(got_history), jax.tree.leaves(want_history)):
+    np.testing.assert_array_equal(got[:, :, 1:], want[:, :, 1:])
+    np.testing.assert_array_equal(got[:, 1, 0], want[:, 1, 0])
+    assert_allclose(got[:, 0, 0], want[:, 0, 0], rtol=2.0 ** -3)
+    assert_allclose(got[:, 2, 0], want[:, 2, 0], rtol=2.0 ** -2)
