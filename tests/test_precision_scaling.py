@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from gnmr_jax import precision
-from gnmr_jax.precision import amax_history, delayed_scaling, path_dot, scaling, tensor_scaling
+from gnmr_jax.precision import amax_history, delayed_scaling, path_dot, per_tensor, scaling
+from gnmr_jax.precision import tensor_scaling
 from gnmr_jax.precision import side_buffer
 from tests.tolerances import assert_allclose, matmul_atol
 
@@ -64,7 +65,7 @@ def _check_legs(outs, x, w, g, scales, dtypes):
 @pytest.mark.parametrize('fmt', ['fp8', 'int8'])
 def test_tensor_path_is_one_scale_per_tensor_against_numpy(fmt):
   x, w, g = _inputs()
-  path = tensor_scaling.FP8_PATH if fmt == 'fp8' else tensor_scaling.INT8_PATH
+  path = per_tensor.FP8_TENSOR if fmt == 'fp8' else per_tensor.INT8_TENSOR
   dtypes = ((jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2) if fmt == 'fp8'
             else (jnp.int8,) * 3)
   pow2 = fmt == 'fp8'
@@ -97,12 +98,12 @@ def _dots_and_reductions(path, dtype=jnp.bfloat16, history=False):
 
 def test_each_operand_is_reduced_once_and_the_gemm_writes_bf16():
   e4, e5, bf = (jnp.dtype(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16))
-  dots, reductions = _dots_and_reductions(tensor_scaling.FP8_PATH)
+  dots, reductions = _dots_and_reductions(per_tensor.FP8_TENSOR)
   assert dots == [(e4, e4, bf), (e5, e4, bf), (e4, e5, jnp.dtype(jnp.float32))]  # dW: f32 kernel
   assert reductions == 3                                           # x, W, g: once each
   _, row_reductions = _dots_and_reductions(precision.fp8.PATH)
   assert row_reductions == 6                                       # two per leg
-  dots, reductions = _dots_and_reductions(delayed_scaling.FP8_PATH, history=True)
+  dots, reductions = _dots_and_reductions(per_tensor.FP8_DELAYED, history=True)
   assert [d[:2] for d in dots] == [(e4, e4), (e5, e4), (e4, e5)]
   # delayed: no reduction feeds a scale; the observations read the codes (x, g) and W
   assert reductions == 3
@@ -143,7 +144,7 @@ def test_delayed_path_scales_from_the_history_and_pushes_what_it_saw():
   x[0, 0] = 40.0  # past the history: x saturates this step
   past = np.array([4.0, 0.5, 8e-3], np.float32)  # g stays within its history
   history = jnp.asarray(amax_history.init(4)).at[:, 1].set(past)
-  outs = jax.jit(lambda *a: _vjp(path_dot(delayed_scaling.FP8_PATH), *a))(x, w, g, history)
+  outs = jax.jit(lambda *a: _vjp(path_dot(per_tensor.FP8_DELAYED), *a))(x, w, g, history)
   dtypes = (jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2)
   scales = [float(2.0 ** np.ceil(np.log2(a / float(jnp.finfo(d).max))))
             for a, d in zip(past, dtypes)]
@@ -157,12 +158,12 @@ def test_delayed_path_scales_from_the_history_and_pushes_what_it_saw():
   assert np.asarray(amax_history.overflow(outs[3])).tolist() == [True, False, False]
 
 
-def _routed_case(storage, recover, seed=2):
+def _routed_case(storage, recover, scaling_name='delayed', seed=2):
   x, w, g = _inputs(seed)
   history = jnp.asarray(amax_history.init(4)).at[:, 0].set(
       jnp.array([np.abs(x).max(), np.abs(w).max(), np.abs(g).max()]))
   config = precision.default_precision_config()
-  config.mode, config.low_cost_path, config.scaling = 'gnmr', 'fp8', 'delayed'
+  config.mode, config.low_cost_path, config.scaling = 'gnmr', 'fp8', scaling_name
   config.recovery_storage = storage
   policy = precision.make_policy(config, max_recovered=1)
   side = policy.init_side((M,), [(K, N)], jnp.float32)
@@ -176,13 +177,18 @@ def _routed_case(storage, recover, seed=2):
 
 
 @pytest.mark.parametrize('storage', ['per_unit', 'side_buffer'])
-def test_routed_delayed_is_the_static_path_or_bf16_and_observes_either_way(storage):
-  value, (dx, dw, pushed), (x, w, g, history) = _routed_case(storage, recover=False)
-  static = jax.jit(lambda *a: _vjp(path_dot(delayed_scaling.FP8_PATH), *a))(x, w, g, history)
+@pytest.mark.parametrize('scaling_name', ['tensor', 'delayed'])
+def test_routed_per_tensor_is_the_static_path_or_bf16_and_observes_either_way(storage,
+                                                                               scaling_name):
+  # Both per-tensor recipes quantize outside the cond (path.Hoisted); a history is observed
+  # whichever branch runs (the tensor recipe takes none but reports what it saw when given one).
+  value, (dx, dw, pushed), (x, w, g, history) = _routed_case(storage, False, scaling_name)
+  path = per_tensor.FP8_DELAYED if scaling_name == 'delayed' else per_tensor.FP8_TENSOR
+  static = jax.jit(lambda *a: _vjp(path_dot(path), *a))(x, w, g, history)
   np.testing.assert_array_equal(dx, static[1])
   np.testing.assert_array_equal(dw, static[2])
   np.testing.assert_array_equal(pushed, static[3])
-  value, (dx, dw, pushed_rec), _ = _routed_case(storage, recover=True)
+  value, (dx, dw, pushed_rec), _ = _routed_case(storage, True, scaling_name)
   bf16 = jax.jit(lambda *a: _vjp(precision.bf16.bf16_dot, *a))(x, w, g)
   np.testing.assert_array_equal(dx, bf16[1])
   np.testing.assert_array_equal(dw, bf16[2])

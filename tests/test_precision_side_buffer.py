@@ -88,8 +88,10 @@ def _stack_step(policy, x, unroll):
       lambda p, m: testing.stack_loss(policy, p, x, m, unroll=unroll)))
 
 
-@pytest.mark.parametrize('pair', sorted(PAIRS))
-@pytest.mark.parametrize('unroll', [1, L])
+# Every pair once, and the scan both rolled and unrolled for two of them: the layer layout and
+# the residuals' packing are independent (each of the 8 products compiled ~12 s cold).
+@pytest.mark.parametrize('pair,unroll', [('sa4/sa8', 1), ('sa4/sa8', L), ('sa4/bf16', 1),
+                                         ('sa4/bf16', L), ('sa2/sa8', L), ('sa4/sa16', 1)])
 def test_side_buffer_stack_is_bit_identical_to_per_unit_storage(pair, unroll):
   params = testing.init_stack(jax.random.key(0), L, D, D)
   x = jax.random.normal(jax.random.key(1), (T, D), jnp.float32)

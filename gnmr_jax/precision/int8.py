@@ -1,7 +1,7 @@
 """The int8 path: per-channel scaled int8 operands in all three matmuls (AQT-style).
 
 This is the 'row' scaling (``PATH``); with the precision config's ``scaling='tensor'`` the
-path is tensor_scaling.INT8_PATH (one scale per tensor).
+path is per_tensor.INT8_TENSOR (one scale per tensor).
 
 Each leg quantizes its lhs per row and its rhs per column (one scale per
 non-contracted index, so scales factor out of the sum), runs
@@ -16,7 +16,7 @@ import functools
 import jax.numpy as jnp
 
 from gnmr_jax.precision import path as path_lib
-from gnmr_jax.precision import quantize, registry, scaling, tensor_scaling
+from gnmr_jax.precision import per_tensor, quantize, registry, scaling
 
 _int8_matmul = functools.partial(quantize.scaled_matmul, lhs_dtype=jnp.int8,
                                  rhs_dtype=jnp.int8)
@@ -47,4 +47,4 @@ Returns:
 
 
 registry.register_path('int8', scaling.builder(
-    'int8', {scaling.ROW.name: PATH, scaling.TENSOR.name: tensor_scaling.INT8_PATH}))
+    'int8', {scaling.ROW.name: PATH, scaling.TENSOR.name: per_tensor.INT8_TENSOR}))

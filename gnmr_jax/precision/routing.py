@@ -151,8 +151,9 @@ def routed_dot(recovery: path_lib.Path, low_cost: path_lib.Path):
 def _hoisting(recovery: path_lib.Path, low_cost: path_lib.Path, history):
   """``low_cost.hoisted`` where a routed dot quantizes outside its cond (path.Hoisted): the
   low-cost path splits its quantization from its GEMMs and the recovery path takes no
-  history; else None."""
-  if history is None or low_cost.hoisted is None or recovery.takes_history:
+  history; else None. (``history`` None: nothing is observed; a path that needs one has
+  refused already.)"""
+  if low_cost.hoisted is None or recovery.takes_history:
     return None
   return low_cost.hoisted
 

@@ -1,5 +1,7 @@
 r"""Per-tensor current scaling: one scale per operand tensor, each operand quantized once.
 
+Its primitives (scales, codes, the scaled GEMM); the path is per_tensor.per_tensor_path.
+
 The 'row' recipe (quantize.scaled_matmul) gives every leg its own per-row / per-column scales,
 so a unit quantizes six operands per step (x and W forward, g and W^T for dx, x^T and g for
 dW), each with an absmax reduction and a cast pass, and asks the GEMM for a float32 result that
@@ -35,7 +37,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from gnmr_jax.precision import explicit_sharding
-from gnmr_jax.precision import path as path_lib
 from gnmr_jax.precision import quantize
 
 E4M3 = jnp.float8_e4m3fn
@@ -49,9 +50,12 @@ def tensor_scale(x: jax.Array, dtype, power_of_two: bool) -> jax.Array:
   :math:`q_{max}`). A non-finite amax gives a non-finite scale: the codes and the result are
   then non-finite too, which the train step's non-finite guard sees.
   """
-  max_value = quantize.MAX_VALUE[jnp.dtype(dtype)]
-  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-  scale = amax / max_value
+  return scale_from_amax(jnp.max(jnp.abs(x)).astype(jnp.float32), dtype, power_of_two)
+
+
+def scale_from_amax(amax: jax.Array, dtype, power_of_two: bool) -> jax.Array:
+  """``tensor_scale`` from the tensor's float32[] amax."""
+  scale = amax / quantize.MAX_VALUE[jnp.dtype(dtype)]
   if power_of_two:
     scale = power_of_two_scale(scale)
   return jnp.where(amax == 0, 1.0, scale)  # a nan amax stays nan (an int8 cast would hide it)
@@ -99,51 +103,3 @@ def scaled_matmul(q_lhs: jax.Array, q_rhs: jax.Array, scale: jax.Array, out_dtyp
   acc = lax.dot_general(q_lhs, q_rhs, dims, preferred_element_type=result, **kwargs)
   # The product of scalars stays in float32 until it meets the result (a power of two: exact).
   return (acc * scale.astype(result)).astype(out_dtype)
-
-
-def tensor_path(activation_dtype, weight_dtype, gradient_dtype,
-                power_of_two: bool) -> path_lib.Path:
-  """A ``Path`` with per-tensor current scaling (module docstring).
-
-  Args:
-    activation_dtype: codes of ``x`` (int8, float8_e4m3fn).
-    weight_dtype: codes of ``W``.
-    gradient_dtype: codes of the output gradient ``g`` (int8, float8_e5m2).
-    power_of_two: round the scales up to powers of two (fp8: exact bf16 scale folding).
-
-  Returns:
-    A ``Path`` that does not keep ``x`` (its codes instead).
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from gnmr_jax.precision import path_dot
-    >>> dot = path_dot(tensor_path(jnp.int8, jnp.int8, jnp.int8, False))
-    >>> y, vjp = jax.vjp(dot, jnp.full((2, 4), 0.5), jnp.ones((4, 3)))
-    >>> y.tolist()[0], vjp(jnp.ones((2, 3)))[1].tolist()[0]
-    ([2.0, 2.0, 2.0], [1.0, 1.0, 1.0])
-  """
-
-  def forward(x, kernel):
-    x_scale = tensor_scale(x, activation_dtype, power_of_two)
-    kernel_scale = tensor_scale(kernel, weight_dtype, power_of_two)
-    x_codes = codes(x, x_scale, activation_dtype)
-    y = scaled_matmul(x_codes, codes(kernel, kernel_scale, weight_dtype),
-                      x_scale * kernel_scale, x.dtype)
-    return y, (x_codes, x_scale, kernel_scale)
-
-  def backward(residuals, x, kernel, g):
-    x_codes, x_scale, kernel_scale = residuals
-    kernel_codes = codes(kernel, kernel_scale, weight_dtype)
-    g_scale = tensor_scale(g, gradient_dtype, power_of_two)
-    g_codes = codes(g, g_scale, gradient_dtype)
-    dx = scaled_matmul(g_codes, kernel_codes.T, g_scale * kernel_scale, g.dtype,
-                       explicit_sharding.out_sharding(x))
-    dkernel = scaled_matmul(x_codes.T, g_codes, x_scale * g_scale, kernel.dtype,
-                            explicit_sharding.out_sharding(kernel))
-    return dx, dkernel
-
-  return path_lib.Path(forward=forward, backward=backward, saves_input=False)
-
-
-FP8_PATH = tensor_path(E4M3, E4M3, E5M2, power_of_two=True)
-INT8_PATH = tensor_path(jnp.int8, jnp.int8, jnp.int8, power_of_two=False)
