@@ -193,17 +193,22 @@ def quantization_table(recipe_reports, fast_reports) -> list:
   return lines + ['']
 
 
+def _print_model_header(reports, kind: str) -> None:
+  """What the figures are, and the date and versions each set of cells was compiled with."""
+  print('# The roofline model (gnmr_jax/aot/step_time.py, device constants and fitted constant '
+        'as calibrated in "Step time on paper" below) over deviceless-compiled programs; every '
+        'figure is a model output priced from benchmarks/results/step_time/*.json')
+  for date, versions in sorted({(r['compiled_on']['date'], ', '.join(
+      f'{k} {v}' for k, v in sorted(r['versions'].items()))) for r in reports}):
+    print(f'# {kind} cells compiled {date}: {versions}')
+
+
 def quantization(args) -> None:
   """Issue 45's cells (compiled where missing unless --no_compile), beside the fast step's."""
   recipes, missing = projections(args.redo, not args.no_compile, args.only,
                                  quantization_cells())
   fast, _ = projections(compile_missing=False, cells=fast_step_cells())
-  print('# The roofline model (gnmr_jax/aot/step_time.py, device constants and fitted constant '
-        'as calibrated in "Step time on paper" below) over deviceless-compiled programs; every '
-        'figure is a model output priced from benchmarks/results/step_time/*.json')
-  for date, versions in sorted({(r['compiled_on']['date'], ', '.join(
-      f'{k} {v}' for k, v in sorted(r['versions'].items()))) for r in recipes}):
-    print(f'# recipe cells compiled {date}: {versions}')
+  _print_model_header(recipes, 'recipe')
   print()
   print('\n'.join(quantization_table(recipes, fast)))
   if missing:
@@ -595,12 +600,7 @@ def fast_step(args) -> None:
   """Issue 44's cells (compiled where missing unless --no_compile), beside main b11f6ea's."""
   fast, missing = projections(args.redo, not args.no_compile, args.only, fast_step_cells())
   before, _ = projections(compile_missing=False)
-  print('# The roofline model (gnmr_jax/aot/step_time.py, device constants and fitted constant '
-        'as calibrated in "Step time on paper" below) over deviceless-compiled programs; every '
-        'figure is a model output priced from benchmarks/results/step_time/*.json')
-  for date, versions in sorted({(r['compiled_on']['date'], ', '.join(
-      f'{k} {v}' for k, v in sorted(r['versions'].items()))) for r in fast}):
-    print(f'# fast-step cells compiled {date}: {versions}')
+  _print_model_header(fast, 'fast-step')
   print('\n### Flash-attention efficiencies (device_specs.ATTENTION_EFFICIENCY: published, no '
         'anchor here)\n')
   print('\n'.join(device_specs.attention_table()))

@@ -389,3 +389,41 @@ def standard_main(argv, doc: str, scenario: str, all_arms, base_fn, heatmap_arm:
     return None
   return run_scenario(scenario, args, arms, config, heatmap_arm, notes,
                       data=make_data(config.data))
+
+
+def trained_json(path: str, scenario: str, regime: str, arm: str, seed: int, config,
+                 data=None) -> dict:
+  """The JSON of one (regime, arm, seed) run at ``path``: read when it exists (a sweep resumes),
+  else trained into ``run_dir(scenario, regime, arm, seed)`` and written (final eval loss,
+  steps, tokens/s, wall seconds, date, device, versions). A preempted run exits (rerun to
+  resume it from its checkpoint)."""
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  from gnmr_jax import train_loop  # pylint: disable=g-import-not-at-top
+  workdir = run_dir(scenario, regime, arm, seed)
+  t0 = time.time()
+  summary = train_loop.train_and_evaluate(config, workdir, data=data)
+  if summary.get("preempted"):
+    raise SystemExit(f"{regime} {arm} seed{seed} preempted at step {summary['step']}; rerun")
+  out = {"regime": regime, "arm": arm, "seed": seed, "eval_loss": summary["eval_loss"],
+         "steps": summary["step"], "tokens_per_s": summary["tokens_per_s"],
+         "wall_seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d"),
+         "device": device_description(), "versions": versions()}
+  write_json(path, out)
+  print(f"[{scenario}] {regime} {arm} seed{seed}: loss {out['eval_loss']:.4f} "
+        f"({out['wall_seconds']:.0f} s)", flush=True)
+  return out
+
+
+def load_runs(root: str, arms) -> dict:
+  """{arm: {seed: row}} of the JSONs under ``root``/<arm>/ for each of ``arms``."""
+  out = {}
+  for arm in arms:
+    folder = os.path.join(root, arm)
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+      with open(os.path.join(folder, name), encoding="utf-8") as f:
+        row = json.load(f)
+      out.setdefault(arm, {})[row["seed"]] = row
+  return out
+

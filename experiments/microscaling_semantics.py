@@ -23,10 +23,8 @@ with `get_scaled_dot_general_config(mode)`'s defaults, operands in float32), and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -180,37 +178,13 @@ def result_path(regime, arm, seed):
 
 
 def run_one(regime, arm, seed):
-  path = result_path(regime, arm, seed)
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      return json.load(f)
-  from gnmr_jax import train_loop  # pylint: disable=g-import-not-at-top
   register_sdg_paths()
-  config = arm_config(regime, arm, seed)
-  workdir = common.run_dir("microscaling_semantics", regime, arm, seed)
-  t0 = time.time()
-  summary = train_loop.train_and_evaluate(config, workdir)
-  if summary.get("preempted"):
-    raise SystemExit(f"{regime} {arm} seed{seed} preempted at step {summary['step']}; rerun")
-  out = {"regime": regime, "arm": arm, "seed": seed, "eval_loss": summary["eval_loss"],
-         "steps": summary["step"], "tokens_per_s": summary["tokens_per_s"],
-         "wall_seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d"),
-         "device": common.device_description(), "versions": common.versions()}
-  common.write_json(path, out)
-  print(f"[microscaling_semantics] {regime} {arm} seed{seed}: loss {out['eval_loss']:.4f} "
-        f"({out['wall_seconds']:.0f} s)", flush=True)
-  return out
+  return common.trained_json(result_path(regime, arm, seed), "microscaling_semantics", regime,
+                             arm, seed, arm_config(regime, arm, seed))
 
 
 def load(regime):
-  out = {}
-  for arm in ARMS:
-    root = os.path.join(RESULTS, regime, arm)
-    for name in sorted(os.listdir(root)) if os.path.isdir(root) else ():
-      with open(os.path.join(root, name), encoding="utf-8") as f:
-        row = json.load(f)
-      out.setdefault(arm, {})[row["seed"]] = row
-  return out
+  return common.load_runs(os.path.join(RESULTS, regime), ARMS)
 
 
 def _paired_text(rows, reference) -> str:

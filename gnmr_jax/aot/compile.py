@@ -286,7 +286,8 @@ def compile_config(config: ml_collections.ConfigDict, target: str | targets_lib.
                     'low_cost_path': run.config.precision.low_cost_path,
                     'recovery_path': run.config.precision.recovery_path,
                     # as resolved for the target's devices ('auto' never stays)
-                    'microscaling_impl': run.config.precision.microscaling_impl},
+                    'microscaling_impl': run.config.precision.microscaling_impl,
+                    'scaling': run.config.precision.scaling},
       'versions': versions(), 'steps': {},
   }
   jitted = {'train': run.train_step, 'eval': run.eval_step}

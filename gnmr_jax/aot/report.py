@@ -46,6 +46,8 @@ def format_report(report: dict) -> str:
       + (f" / {precision['recovery_path']}" if precision['mode'] == 'gnmr' else '')
       + (f" (microscaling {precision['microscaling_impl']})"
          if precision.get('microscaling_impl', 'auto') != 'auto' else '')
+      + (f" (scaling {precision['scaling']})" if precision['low_cost_path'] in ('int8', 'fp8')
+         and 'scaling' in precision else '')
       + (f"; attention {report['attention']}" if 'attention' in report else ''),
   ]
   for step, entry in report['steps'].items():

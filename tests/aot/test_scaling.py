@@ -68,3 +68,20 @@ def test_tpu_int8_tensor_recipe_keeps_s8_convolutions():
   gemms = projection_gemms(inventory)
   assert kinds(gemms) == {'convolution s8 x s8 -> s32'}
   assert total_flops(gemms) >= 3 * projection_forward_flops(config)
+
+
+def test_auto_scaling_resolves_for_the_targets_devices():
+  from gnmr_jax.aot import compile as compile_lib, targets  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.precision import scaling  # pylint: disable=g-import-not-at-top
+  resolved = {name: {path: scaling.resolve('auto', path, compile_lib.topology_devices(
+      targets.get_target(name))[0]) for path in ('fp8', 'int8')} for name in ('h100', 'v5e-1')}
+  assert resolved == {'h100': {'fp8': 'delayed', 'int8': 'tensor'},
+                      'v5e-1': {'fp8': 'row', 'int8': 'tensor'}}
+
+
+@pytest.mark.xdist_group('h100_fp8')  # test_gemms.py's worker: its 'row' compile is reused
+def test_the_report_names_the_scaling_recipe():
+  from gnmr_jax.aot import report as report_lib  # pylint: disable=g-import-not-at-top
+  _, report, _ = compiled('h100', 'static', 'fp8', scaling='delayed', **SHAPE)
+  assert report['precision']['scaling'] == 'delayed'
+  assert '(scaling delayed)' in report_lib.format_report(report)
