@@ -25,7 +25,7 @@ def init(length: int) -> jax.Array:
 
 
 def amax(x: jax.Array) -> jax.Array:
-  """float32[] max |x| over the whole tensor."""
+  r"""float32[] :math:`\max |x|` over the whole tensor."""
   return jnp.max(jnp.abs(x)).astype(jnp.float32)
 
 
