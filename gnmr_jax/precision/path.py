@@ -43,10 +43,10 @@ from gnmr_jax.precision import amax_history, explicit_sharding
 
 @dataclasses.dataclass(frozen=True)
 class Hoisted:
-  """A history-taking path's quantization split from its GEMMs, so that a routed dot
-  (routing.py) quantizes outside its ``lax.cond`` (in the fusions that produce the operands,
-  as the static step does) and the cond chooses only the GEMMs. The recovery branch ignores the
-  codes; both branches' histories are observed from them.
+  """A path's quantization split from its GEMMs (the per-tensor recipes, per_tensor.py), so
+  that a routed dot (routing.py) quantizes outside its ``lax.cond`` (in the fusions that
+  produce the operands, as the static step does) and the cond chooses only the GEMMs. The
+  recovery branch ignores the codes; given a history, both branches observe it from them.
 
   Attributes:
     quantize_inputs: ``(x, kernel, history) -> (operands, float32[2] observed amaxes)``.
