@@ -25,7 +25,7 @@ def _non_gemm_bytes(inventory):
              if not k['flops'] and k['category'] != 'attention')
 
 
-@pytest.mark.xdist_group('h100_fp8')  # test_gemms.py's worker: its 'row' compile is reused
+@pytest.mark.xdist_group('h100_scaling')  # beside test_gemms.py's h100_fp8 group, in parallel
 @pytest.mark.parametrize('scaling', ['tensor', 'delayed'])
 def test_h100_fp8_recipes_keep_fp8_gemms_and_write_bf16(scaling):
   config, report, inventory = compiled('h100', 'static', 'fp8', scaling=scaling, **SHAPE)
@@ -39,9 +39,9 @@ def test_h100_fp8_recipes_keep_fp8_gemms_and_write_bf16(scaling):
   assert report['steps']['train']['conditionals'] == 0
 
 
-@pytest.mark.xdist_group('h100_fp8')  # test_gemms.py's worker: its 'row' compile is reused
+@pytest.mark.xdist_group('h100_scaling')  # beside test_gemms.py's h100_fp8 group, in parallel
 def test_h100_each_recipe_spends_less_around_its_gemms_than_the_one_before():
-  # 'row' is the default: compiled as test_gemms.py does (the same cached program)
+  # 'row' is the default: compiled as test_gemms.py does (a cache hit on one worker)
   recipe = lambda scaling: {} if scaling == 'row' else {'scaling': scaling}
   moved = {scaling: _non_gemm_bytes(compiled('h100', 'static', 'fp8', **recipe(scaling),
                                               **SHAPE)[2])
@@ -49,7 +49,7 @@ def test_h100_each_recipe_spends_less_around_its_gemms_than_the_one_before():
   assert moved['delayed'] < moved['tensor'] < moved['row'], moved
 
 
-@pytest.mark.xdist_group('h100_fp8')  # test_gemms.py's worker: its 'row' compile is reused
+@pytest.mark.xdist_group('h100_scaling')  # beside test_gemms.py's h100_fp8 group, in parallel
 def test_h100_routed_delayed_quantizes_outside_the_conditional():
   config, _, inventory = compiled('h100', 'gnmr', 'fp8', scaling='delayed', **SHAPE)
   low_cost = projection_gemms(inventory, branch=0)
@@ -87,7 +87,7 @@ def test_auto_scaling_resolves_for_the_targets_devices():
                       'v5e-1': {'fp8': 'row', 'int8': 'tensor'}}
 
 
-@pytest.mark.xdist_group('h100_fp8')  # test_gemms.py's worker: its 'row' compile is reused
+@pytest.mark.xdist_group('h100_scaling')  # beside test_gemms.py's h100_fp8 group, in parallel
 def test_the_report_names_the_scaling_recipe():
   from gnmr_jax.aot import report as report_lib  # pylint: disable=g-import-not-at-top
   _, report, _ = compiled('h100', 'static', 'fp8', scaling='delayed', **SHAPE)
