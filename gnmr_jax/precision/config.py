@@ -36,7 +36,7 @@ def default_precision_config() -> ml_collections.ConfigDict:
   # How the int8 and fp8 paths scale their operands (scaling.SCALINGS): 'row' (one absmax
   # scale per row of each leg's lhs and column of its rhs, current: the most precise; six
   # operands quantized per unit and step), 'tensor' (one current scale per tensor, each of x,
-  # W and the output gradient quantized once per step, the scale folded into the GEMM) or
+  # W and the output gradient quantized once per step; fp8: the scale folded into the GEMM) or
   # 'delayed' (per tensor, from the unit's amax history: the casts fuse into the operands'
   # producers; a tensor whose amax jumps past its history saturates for that step), or 'auto'
   # (per low-cost path and platform, scaling.AUTO_BY_PLATFORM, resolved where the policy is

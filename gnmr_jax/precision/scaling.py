@@ -127,7 +127,7 @@ ROW = register_scaling(Scaling(
     'most precise; six operands quantized per unit and step, a float32 GEMM result rescaled'))
 TENSOR = register_scaling(Scaling(
     'tensor', 'one current absmax scale per tensor: x, W and the output gradient quantized '
-    'once per step, their codes shared by the legs, the scale folded into the GEMM'))
+    'once per step, their codes shared by the legs; fp8: the scale folded into the GEMM'))
 DELAYED = register_scaling(Scaling(
     'delayed', 'one scale per tensor from the unit\'s amax history (the precision config\'s '
     'amax_history_length steps, carried in the train state): the casts fuse into their '
