@@ -122,7 +122,9 @@ def test_power_of_two_scale_rounds_up_exactly_and_passes_non_finite():
 def test_history_push_and_overflow_flags():
   history = amax_history.init(3)
   history = amax_history.push(history, 1.0, 2.0, 3.0)
-  history = amax_history.push(history, jnp.inf, 1.0, 9.0)
+  pushed = amax_history.push(history, jnp.inf, 1.0, 9.0)
+  assert np.isinf(pushed[0, 0])  # as observed; the step settles it after its micro-batches
+  history = amax_history.settle(pushed)
   np.testing.assert_array_equal(history, [[0.0, 1.0, 0.0], [1.0, 2.0, 0.0], [9.0, 3.0, 0.0]])
   np.testing.assert_array_equal(amax_history.overflow(history), [False, False, True])
   with pytest.raises(ValueError, match='length'):
@@ -135,6 +137,9 @@ def test_observation_from_codes_saturation_doubles_underflow_bounds():
   exact = delayed_scaling.observe_codes(jnp.array([-96.0, 3.0], e4), scale)
   assert float(exact) == 24.0
   assert float(delayed_scaling.observe_codes(jnp.array([448.0], e4), scale)) == 2 * 448 * 0.25
+  # A NaN code reads as +inf (settled as no observation), inside a fused reduction too.
+  nan_codes = jnp.zeros(4096, e4).at[1234].set(jnp.nan)
+  assert np.isinf(jax.jit(delayed_scaling.observe_codes)(nan_codes, scale))
   under = float(delayed_scaling.observe_codes(jnp.zeros(4, jnp.float8_e5m2), scale))
   assert under == float(jnp.finfo(jnp.float8_e5m2).smallest_subnormal) / 2 * 0.25
 

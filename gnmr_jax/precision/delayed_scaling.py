@@ -52,7 +52,8 @@ def observe_codes(codes: jax.Array, scale: jax.Array) -> jax.Array:
   The largest code times the scale, exact up to the code's rounding; doubled when it is the
   format's largest code (saturated: the true amax is larger); half the smallest positive code
   when every code is 0 (underflow, e.g. an output gradient at an empty history's scale of 1:
-  the true amax is below that, so the next scale maps it into range without saturating).
+  the true amax is below that, so the next scale maps it into range without saturating); +inf
+  when a code is NaN.
 
   Args:
     codes: the tensor's 8-bit codes at ``scale``.
@@ -63,7 +64,12 @@ def observe_codes(codes: jax.Array, scale: jax.Array) -> jax.Array:
   else:
     top, smallest = float(jnp.finfo(codes.dtype).max), float(
         jnp.finfo(codes.dtype).smallest_subnormal)
-  largest = jnp.max(jnp.abs(codes.astype(jnp.float32)))
+  values = codes.astype(jnp.float32)
+  # A NaN code (a NaN in the tensor) reads as +inf, which the step settles as no observation
+  # (amax_history.settle): a max reduction need not propagate NaN (XLA CPU's fast min/max
+  # drops it, so the NaN step read as an underflow), an infinity it keeps. Elementwise, so it
+  # fuses into the reduction: no extra pass over the codes.
+  largest = jnp.max(jnp.where(jnp.isnan(values), jnp.inf, jnp.abs(values)))
   grow = jnp.where(largest >= top, SATURATION_GROWTH, 1.0)
   underflow_bound = smallest / 2
   return jnp.where(largest > 0, largest * grow, underflow_bound) * scale
