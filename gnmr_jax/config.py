@@ -152,6 +152,11 @@ def base_config(model: str = "tiny") -> ml_collections.ConfigDict:
   config.train.eval_every = 100
   # Raise after this many consecutive non-finite losses (a last good checkpoint is kept).
   config.train.max_consecutive_nonfinite = 20
+  # Micro-batches per optimizer step: the step runs forward and backward on data.batch_size /
+  # grad_accum_steps sequences at a time (one micro-batch's activations in memory), sums the
+  # gradients in float32 and updates the controller and the optimizer once, on the global
+  # batch's gradient (gnmr_jax/grad_accumulation.py).
+  config.train.grad_accum_steps = 1
 
   config.optimizer = ml_collections.ConfigDict()
   # Peak learning rate of the warmup + cosine schedule.
@@ -303,6 +308,11 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   if "init_perturbation" in t:
     _float(t, "train", "init_perturbation", 0.0, inclusive=True, maximum=1.0)
   _int(t, "train", "max_consecutive_nonfinite", 1)
+  if "grad_accum_steps" in t:
+    _int(t, "train", "grad_accum_steps", 1)
+    if config.data.batch_size % t.grad_accum_steps:
+      raise ValueError(f"config.train.grad_accum_steps={t.grad_accum_steps} must divide "
+                       f"config.data.batch_size={config.data.batch_size} (equal micro-batches).")
   _float(o, "optimizer", "learning_rate")
   _int(o, "optimizer", "warmup_steps", 0)
   _float(o, "optimizer", "min_lr_ratio", 0.0, inclusive=True, maximum=1.0)
@@ -375,6 +385,12 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     if not isinstance(split, bool):
       raise ValueError(f"config.diagnostics.recovery_gap_split must be True or False, got "
                        f"{split!r}.")
+    accum = config.train.get("grad_accum_steps", 1)
+    if split and config.data.batch_size % (2 * accum):
+      raise ValueError(f"config.diagnostics.recovery_gap_split accumulates each half batch over "
+                       f"config.train.grad_accum_steps={accum} micro-batches: "
+                       f"config.data.batch_size={config.data.batch_size} must be a multiple of "
+                       f"{2 * accum}.")
     if split and gap_pass == "swapped":
       raise ValueError("config.diagnostics.recovery_gap_split splits the all-recovered pass: "
                        "use recovery_gap_pass 'recovery' or 'uniform', not 'swapped'.")

@@ -182,18 +182,18 @@ def default_logical_rules() -> LogicalRules:
 
 
 def check_model_fits_mesh(model_cfg: ml_collections.ConfigDict, mesh: Mesh,
-                          batch_size: int) -> None:
+                          batch_size: int, batch_field: str = 'batch_size') -> None:
   """Raises a ValueError naming the field when the model does not divide over the mesh.
 
-  Checks batch_size % (data * fsdp), d_model % fsdp, and num_heads, num_kv_heads,
-  ffn_dim, vocab_size % tensor (with the default rules).
+  Checks batch_size % (data * fsdp) (``batch_field`` names it in the message), d_model % fsdp,
+  and num_heads, num_kv_heads, ffn_dim, vocab_size % tensor (with the default rules).
   """
   validate_model_config(model_cfg)
   check_mesh(mesh)
   data, fsdp, tensor = (mesh.shape[a] for a in MESH_AXES)
   if batch_size % (data * fsdp):
     raise ValueError(
-        f'batch_size={batch_size} must be divisible by data * fsdp = '
+        f'{batch_field}={batch_size} must be divisible by data * fsdp = '
         f'{data} * {fsdp} = {data * fsdp}')
   problems = []
   if model_cfg.d_model % fsdp:

@@ -121,7 +121,12 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   else:  # the static step's layer layout per backend (model_configs.static_scan_unroll)
     model_config.scan_unroll = static_scan_unroll(model_config, device.platform)
   config.model.scan_unroll = model_config.scan_unroll
-  sharding.check_model_fits_mesh(model_config, mesh, config.data.batch_size)
+  accum_steps = int(config.train.get("grad_accum_steps", 1))
+  # Each micro-batch splits over the batch axes as the whole batch would (grad_accumulation.py).
+  sharding.check_model_fits_mesh(model_config, mesh, config.data.batch_size // accum_steps,
+                                 batch_field=("micro-batch data.batch_size / "
+                                              "train.grad_accum_steps" if accum_steps > 1
+                                              else "batch_size"))
   model = Transformer(model_config, policy)
   tx = (make_tx or make_optimizer)(config)
   seq_len = config.data.seq_len
@@ -154,7 +159,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
                   layout=layout if config.gnmr.enabled else None,
                   schedule=learning_rate_schedule(config.optimizer, config.train.steps),
                   injector=injector, probe=probe, recovery_model=recovery_model,
-                  swap_model=swap_model)
+                  swap_model=swap_model, grad_accum_steps=accum_steps)
   if task is None:  # the language-model objective: sharded params and optimizer state
     with sharding.activation_sharding(mesh):
       param_sh = sharding.param_shardings(model, mesh, tokens_shape=(1, seq_len))
@@ -167,6 +172,10 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
         amax_history=jax.tree_util.tree_map(lambda _: replicated, abstract.amax_history))
     train_fn, eval_fn = step_lib.train_step, step_lib.eval_step
   else:
+    if accum_steps > 1:  # a task's step is its own: it would ignore the micro-batches
+      raise ValueError(f"config.train.grad_accum_steps={accum_steps}: the task "
+                       f"{type(task).__name__} runs its own train step, which does not "
+                       f"accumulate; use grad_accum_steps=1 (or a smaller data.batch_size).")
     init_state = functools.partial(task.init_state, spec=spec)
     with sharding.activation_sharding(mesh):
       abstract = jax.eval_shape(init_state, abstract_key)

@@ -17,11 +17,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gnmr_jax import grad_accumulation as accumulation
 from gnmr_jax.control import recovery_gap as gap_lib
 from gnmr_jax.control import state as control_state
 from gnmr_jax.control.priorities import PriorityState, noise_fraction
 from gnmr_jax.control.units import UnitLayout
 from gnmr_jax.model import amax_overflow_units
+from gnmr_jax.precision import amax_history as amax_history_lib
 
 
 class TrainState(NamedTuple):
@@ -50,6 +52,9 @@ class StepSpec:
     recovery_model: the model with every unit on the recovery path (the probe's g_rec).
     swap_model: the model routed with per-unit residual slots (the 'swapped' pass of a
       routed step, which may recover any number of units), or None.
+    grad_accum_steps: micro-batches per step (config.train.grad_accum_steps;
+      gnmr_jax/grad_accumulation.py): each runs forward and backward under the step's mask, the
+      controller and the optimizer see their summed gradient once.
   """
   model: Any
   tx: optax.GradientTransformation
@@ -60,6 +65,7 @@ class StepSpec:
   probe: Optional[gap_lib.GapProbe] = None
   recovery_model: Any = None
   swap_model: Any = None
+  grad_accum_steps: int = 1
 
 
 def cross_entropy(logits_BxSxV, targets_BxS):
@@ -85,16 +91,19 @@ def _model_loss_sum(model, params, batch, mask, amax_history=None, **apply_kwarg
   return out, targets.size
 
 
-def _model_loss(model, params, batch, mask, amax_history=None):
-  total, count = _model_loss_sum(model, params, batch, mask, amax_history)
-  return total / count
-
-
 def gradient_passes(spec: StepSpec, params, batch, amax_history=None) -> gap_lib.GradientPasses:
-  """The probe's gradient passes of the step's model on (params, batch); a delayed-scaling
-  run's passes scale from the step's histories (and leave them as they are)."""
+  """The probe's gradient passes of the step's model on (params, batch), accumulated over the
+  step's micro-batches; a delayed-scaling run's passes scale from the step's histories (and
+  leave them as they are)."""
   def grads(model, mask, data=batch):
-    return jax.grad(lambda p: _model_loss(model, p, data, mask, amax_history))(params)
+    count = data["targets"].size  # every micro-batch's loss sum over the whole count
+
+    def micro_grads(micro):
+      return jax.grad(
+          lambda p: _model_loss_sum(model, p, micro, mask, amax_history)[0] / count)(params)
+
+    return accumulation.over_micro_batches(micro_grads, data, spec.grad_accum_steps,
+                                           accumulation.add)
 
   return gap_lib.GradientPasses(
       low_cost=lambda: grads(spec.model, None),
@@ -113,20 +122,33 @@ def _mask_of(spec: StepSpec, opt_state):
   return ctl, control_state.maybe_controller_state(opt_state).mask
 
 
-def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
-  """One training step: (state, batch) -> (new state, metrics of this step)."""
-  ctl, mask = _mask_of(spec, state.opt_state)
+def _combine_micro_batches(acc, new):
+  """Sums a micro-batch's ((loss, dropped), (grads, _)) into the step's; the amax histories
+  combine by max (each micro-batch pushed its own observation onto the same history, and the
+  whole batch's amax is the largest; a NaN observation propagates, as in the whole batch)."""
+  (loss, dropped), (grads, history) = acc
+  (new_loss, new_dropped), (new_grads, new_history) = new
+  return ((loss + new_loss, dropped + new_dropped),
+          (accumulation.add(grads, new_grads),
+           jax.tree_util.tree_map(jnp.maximum, history, new_history)))
+
+
+def loss_and_grads(spec: StepSpec, state: TrainState, batch: dict, ctl, mask):
+  """((mean token loss, side-buffer drops), (float32 gradients, next amax histories or None))
+  of the step's batch: one forward and backward, or one per micro-batch summed
+  (spec.grad_accum_steps), every micro-batch under ``mask``."""
   injector = spec.injector
   step_number = state.step + 1  # 1-based, as logged
+  count = batch["targets"].size
 
-  def loss_fn(params, amax_history):
+  def loss_fn(params, amax_history, micro):
     if injector is not None:  # reliability tests only (config.faults)
       params = injector.corrupt_params(params, step_number,
                                        spec.layout.flat(ctl.mask) if mask is not None else None)
-    (total, sown), count = _model_loss_sum(spec.model, params, batch, mask, amax_history,
-                                           mutable=["intermediates"])
+    (total, sown), _ = _model_loss_sum(spec.model, params, micro, mask, amax_history,
+                                       mutable=["intermediates"])
     loss = total / count
-    if injector is not None:
+    if injector is not None:  # a factor (NaN or 1): the same on every micro-batch's share
       loss = injector.corrupt_loss(loss, step_number)
     # Recoveries the side buffer had no room for (0 with the controller's mask).
     dropped = sum(jnp.sum(v) for v in jax.tree_util.tree_leaves(
@@ -135,8 +157,21 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
 
   # Delayed scaling: the gradient of the amax histories is the next histories (every projection
   # pushed what it observed; amax_history.py).
-  (loss, dropped), (grads, amax_history) = jax.value_and_grad(
-      loss_fn, argnums=(0, 1), has_aux=True)(state.params, state.amax_history)
+  grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+  (loss, dropped), (grads, amax_history) = accumulation.over_micro_batches(
+      lambda micro: grad_fn(state.params, state.amax_history, micro), batch,
+      spec.grad_accum_steps, _combine_micro_batches)
+  if amax_history is not None:
+    amax_history = jax.tree_util.tree_map(amax_history_lib.settle, amax_history)
+  return (loss, dropped), (grads, amax_history)
+
+
+def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
+  """One training step: (state, batch) -> (new state, metrics of this step)."""
+  ctl, mask = _mask_of(spec, state.opt_state)
+  injector = spec.injector
+  step_number = state.step + 1  # 1-based, as logged
+  (loss, dropped), (grads, amax_history) = loss_and_grads(spec, state, batch, ctl, mask)
   if injector is not None:
     grads = injector.corrupt_grads(grads, step_number)
   extra = {}

@@ -30,14 +30,19 @@ def amax(x: jax.Array) -> jax.Array:
 
 
 def push(history: jax.Array, amax_x, amax_kernel, amax_gradient) -> jax.Array:
-  """``history`` shifted one step older with the three observations in column 0.
-
-  A non-finite observation is recorded as 0 (no observation): one overflowing step must not
-  make every later scale infinite (the train step's non-finite guard handles that step).
-  """
+  """``history`` shifted one step older with the three observations in column 0, as observed
+  (a non-finite one too: the step :func:`settle` s it once its micro-batches are combined)."""
   observed = jnp.stack([amax_x, amax_kernel, amax_gradient]).astype(jnp.float32)
-  observed = jnp.where(jnp.isfinite(observed), observed, 0.0)
   return jnp.concatenate([observed[:, None], history[:, :-1]], axis=1)
+
+
+def settle(history: jax.Array) -> jax.Array:
+  """A pushed history as the next step scales from it: a non-finite observation recorded as 0
+  (no observation), so one overflowing step cannot make every later scale infinite (the train
+  step's non-finite guard handles that step). The train step settles after combining its
+  micro-batches' observations by max, so a NaN in one of them settles as it would in the
+  whole batch."""
+  return jnp.where(jnp.isfinite(history), history, 0.0)
 
 
 def history_amax(history_row: jax.Array) -> jax.Array:
