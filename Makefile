@@ -38,10 +38,11 @@ aot: $(AOT_STAMP)
 train: $(STAMP)
 	$(BIN)/python train.py --config=$(CONFIG) --workdir=$(WORKDIR)
 
-# Two workers, one file each at a time, longest files first (tests/conftest.py: SECONDS); then
-# the AOT tier (programs compiled for TPU and GPU targets) in .venv-aot.
+# Two workers, one file each at a time, longest files first (tests/conftest.py: SECONDS), the
+# CPU programs compiled without XLA's optimizations (docs/guides/pipeline.md, "The test suite");
+# then the AOT tier (optimized programs compiled for TPU and GPU targets) in .venv-aot.
 test: $(STAMP) $(AOT_STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
+	JAX_DISABLE_MOST_OPTIMIZATIONS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 \
 	    --ignore=tests/aot tests
 	GNMR_AOT_REQUIRED=1 $(AOT_VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=10 \
 	    tests/aot

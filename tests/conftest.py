@@ -136,15 +136,18 @@ def tiny_run(tmp_path_factory, data_dirs):
 
 
 @pytest.fixture(autouse=True)
-def _plumbing_without_xla_optimizations(request):
-  """Tests marked `plumbing` run without XLA optimizations, subprocesses included
-  (train_helpers.xla_optimizations). Module- or session-scoped fixtures that compile for them
-  set it themselves (they are set up before this fixture)."""
-  if request.node.get_closest_marker("plumbing") is None:
+def _xla_optimizations_as_marked(request):
+  """Tests marked `plumbing` run without XLA optimizations, those marked `xla_optimized` with
+  them, subprocesses included (train_helpers.xla_optimizations); the others as the session
+  runs (`make test`'s CPU tier: without, JAX_DISABLE_MOST_OPTIMIZATIONS=1, compiling in about
+  two thirds of the time). Module- or session-scoped fixtures that compile for them set it
+  themselves (they are set up before this fixture)."""
+  marked = [m for m in ("plumbing", "xla_optimized") if request.node.get_closest_marker(m)]
+  if not marked:
     yield
     return
   import train_helpers  # pylint: disable=g-import-not-at-top
-  with train_helpers.xla_optimizations(False):
+  with train_helpers.xla_optimizations(marked == ["xla_optimized"]):
     yield
 
 

@@ -78,6 +78,7 @@ def _two_layer_setup():
   return static, x, params
 
 
+@pytest.mark.xla_optimized
 def test_measure_on_a_users_routed_model_equals_two_static_gradients():
   config = default_precision_config()  # mode 'gnmr': int8 low-cost, bf16 recovery
   policy = make_policy(config)
@@ -200,6 +201,7 @@ def test_gap_priority_run_resumes_bit_for_bit(tmp_path, data_dirs):
   assert sum(map(sum, masks)) == 2 * 2
 
 
+@pytest.mark.xla_optimized
 def test_uniform_pass_measures_every_unit_against_all_low_and_all_recovered():
   """'uniform': e_u = ||g_low,u - g_rec,u|| with every unit on one path on each side, whatever
   the mask; so the units in the mask are measured too (the 'recovery' pass marks them invalid)."""
