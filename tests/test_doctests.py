@@ -37,6 +37,7 @@ MODULES = (
     "gnmr_jax.data.config",
     "gnmr_jax.data.tokenizers",
     "gnmr_jax.data.iterator",
+    "gnmr_jax.aot.targets",
 )
 
 # Public API that must carry a runnable example (">>>") in its docstring.

@@ -8,6 +8,10 @@ result dtype, conditionals, loops and collectives. Exit 0 when every step fits, 
 not (the report says which, and --fit_batch finds the largest batch that fits), 2 on bad input
 or a missing install.
 
+--fit chooses how the config's global batch trains on the target: the train step compiled over
+gradient accumulation and remat policies, each with its memory and modelled tokens/s, and the
+fastest that fits with the config overrides to use (gnmr_jax/aot/fit.py).
+
 --step_time adds the train step's price on paper (gnmr_jax.aot.step_time: step seconds, tokens/s
 and MFU per device, where the time goes, the calibration it rests on); a model output, so it is
 asked for rather than printed beside what the compiler reports.
@@ -36,6 +40,14 @@ _JSON = flags.DEFINE_string('json', None, 'Also write the report here as JSON.')
 _FIT_BATCH = flags.DEFINE_bool(
     'fit_batch', False, 'When the config\'s batch does not fit, halve it until it does and '
     'report the largest batch that fits.')
+_FIT = flags.DEFINE_bool(
+    'fit', False, 'Choose how the config\'s global batch trains on the target: compile the '
+    'train step over (gradient accumulation, remat) combinations that keep the batch and print '
+    'each one\'s memory and modelled tokens/s, and the fastest that fits with its overrides '
+    '(gnmr_jax/aot/fit.py).')
+_FIT_REMAT = flags.DEFINE_list(
+    'fit_remat', ['none', 'dots_saveable', 'full'], 'With --fit: the remat policies to try, '
+    'cheapest recomputation first.')
 _STEP_TIME = flags.DEFINE_bool(
     'step_time', False, 'Also price the train step with the roofline step-time model: '
     'seconds, tokens/s and MFU per device, where the time goes, the calibration it rests on '
@@ -66,9 +78,28 @@ def compile_fitting(config, target: str, steps, fit_batch: bool,
   return first
 
 
+def main_fit(config, target: str) -> None:
+  """--fit: the candidates, the chosen one; exit 3 when nothing fits."""
+  from gnmr_jax.aot import fit as fit_lib  # pylint: disable=g-import-not-at-top
+  try:
+    result = fit_lib.fit(config, target, remats=tuple(_FIT_REMAT.value))
+  except USER_ERRORS as e:
+    print(f'gnmr_jax.aot: error: {e}', file=sys.stderr)
+    sys.exit(2)
+  print(fit_lib.format_fit(result))
+  if _JSON.value:
+    with open(_JSON.value, 'w') as f:
+      json.dump(result, f, indent=1, sort_keys=True)
+  if result['chosen'] is None:
+    sys.exit(EXIT_DOES_NOT_FIT)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  if _FIT.value:
+    main_fit(_CONFIG.value, _TARGET.value)
+    return
   try:
     report = compile_fitting(_CONFIG.value, _TARGET.value, _STEPS.value, _FIT_BATCH.value,
                              _STEP_TIME.value)

@@ -139,3 +139,28 @@ def get_target(name: str) -> Target:
                 topology_name=f'{prefix}:{shape}', chip_config_name=chip_config,
                 chips_per_host_bounds=per_host, num_slices=slices,
                 wrap=wrap or (False, False, False))
+
+
+# jax device_kind prefixes -> target kinds (Colab's runtimes and the chips above); 'TPU v5'
+# (v5p) after 'TPU v5 lite' (v5e), which it prefixes.
+_DEVICE_KINDS = (('TPU v5 lite', 'v5e'), ('TPU v6 lite', 'v6e'), ('TPU v5', 'v5p'),
+                 ('NVIDIA H100', 'h100'), ('NVIDIA H200', 'h200'), ('NVIDIA B200', 'b200'),
+                 ('NVIDIA A100', 'a100'), ('NVIDIA L4', 'l4'), ('Tesla T4', 't4'))
+
+
+def local_target(devices) -> str | None:
+  """The target name of the devices a runtime has (``jax.devices()``): 'v6e-1' on Colab's TPU
+  v6e, 't4' on its T4, 'h100:8' on one host of eight; None on a CPU or an unlisted chip.
+
+  >>> import jax
+  >>> local_target(jax.devices('cpu')) is None
+  True
+  """
+  devices = list(devices)
+  kind = next((name for prefix, name in _DEVICE_KINDS
+               if devices and devices[0].device_kind.startswith(prefix)), None)
+  if kind is None:
+    return None
+  if kind in GPU_TARGETS:
+    return kind if len(devices) == 1 else f'{kind}:{len(devices)}'
+  return f'{kind}-{len(devices) * (2 if kind == "v5p" else 1)}'
