@@ -19,6 +19,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from gnmr_jax.precision import explicit_sharding
+
 
 def micro_batches(batch, steps: int):
   """Every leaf [B, ...] of ``batch`` as [steps, B / steps, ...], micro-batch i = rows i::steps."""
@@ -33,12 +35,13 @@ def micro_batches(batch, steps: int):
 def over_micro_batches(fn: Callable, batch, steps: int, combine: Callable):
   """``fn(batch)`` when ``steps == 1``; else ``fn`` folded over the micro-batches under a
   ``lax.scan``: ``combine(carry, fn(micro_batch))`` from a carry of zeros shaped like ``fn``'s
-  output (the identity of a sum, and of a max over non-negative values)."""
+  output (the identity of a sum, and of a max over non-negative values), typed with its
+  shardings under an explicit mesh (a scan's carry keeps its type)."""
   if steps == 1:
     return fn(batch)
   micro = micro_batches(batch, steps)
   first = jax.tree_util.tree_map(lambda x: x[0], micro)
-  zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, first))
+  zeros = jax.tree_util.tree_map(explicit_sharding.zeros, jax.eval_shape(fn, first))
 
   def body(carry, micro_batch):
     return combine(carry, fn(micro_batch)), None

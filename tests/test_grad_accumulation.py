@@ -230,3 +230,22 @@ def test_delayed_scaling_histories_combine_by_max_and_settle_a_nan_micro_batch(d
         else:
           assert np.all(a[..., :, 0] > 0)
       state, _ = runs[0].train_step(state, batch)
+
+
+def test_accumulation_on_an_explicit_mesh_matches_the_whole_batch(data_dirs):
+  configs = [_float32_routed_config(data_dirs, **{"train.grad_accum_steps": k}) for k in (1, ACCUM)]
+  data = make_data(configs[0].data)
+  batch = next(data.train_iterator())
+  ulps = chain_ulps(transformer_reductions(configs[0].model, configs[0].data.seq_len)
+                    + [configs[0].model.vocab_size, BATCH * configs[0].data.seq_len])
+  results = []
+  for config in configs:
+    run = train_loop.build(config, data=data, mesh=jax.make_mesh((2, 2, 2), MESH_AXES))
+    assert run.config.mesh.axis_types == "explicit"
+    with train_loop.sharding.activation_sharding(run.mesh):
+      state = run.init_state(jax.random.key(0))
+      _, metrics = run.train_step(state, train_loop.device_batch(run, batch))
+    results.append((float(metrics["loss"]), float(metrics["grad_norm"])))
+  (loss_1, norm_1), (loss_k, norm_k) = results
+  np.testing.assert_allclose(loss_k, loss_1, rtol=F32_EPS * ulps)
+  np.testing.assert_allclose(norm_k, norm_1, rtol=F32_EPS * ulps)
