@@ -77,8 +77,10 @@ def main():
       if args.no_compile:
         continue
       print(f"fitting llama:{name} on {target} ...", file=sys.stderr, flush=True)
-      with open(path, "w", encoding="utf-8") as f:
-        json.dump(run_cell(name, target, overrides), f, indent=1, sort_keys=True)
+      result = run_cell(name, target, overrides)
+      with open(path + ".tmp", "w", encoding="utf-8") as f:  # a crash leaves no cell behind
+        json.dump(result, f, indent=1, sort_keys=True)
+      os.replace(path + ".tmp", path)
     with open(path, encoding="utf-8") as f:
       results.append(json.load(f))
   print("\n".join(table(results)))

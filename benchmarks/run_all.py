@@ -41,6 +41,8 @@ SCRIPTS = [
     # --no_compile: the tables of the cells compiled so far; run the script itself to resume.
     ("Compiled for (issue 36)",
      ["benchmarks/aot_compiled.py", "--matrix", "compiled_for", "--no_compile"]),
+    ("Compiled for: the fit chosen from the compiled program, accumulation and remat (issue 48)",
+     ["benchmarks/aot_fit.py", "--no_compile"]),
     ("Routed step at scale: routed / static (issue 37)",
      ["benchmarks/aot_compiled.py", "--matrix", "routed_cost", "--no_compile"]),
     # Cells under benchmarks/results/step_time/ (--part calibration / projections resume them).

@@ -125,7 +125,8 @@ def _mask_of(spec: StepSpec, opt_state):
 def _combine_micro_batches(acc, new):
   """Sums a micro-batch's ((loss, dropped), (grads, _)) into the step's; the amax histories
   combine by max (each micro-batch pushed its own observation onto the same history, and the
-  whole batch's amax is the largest; a NaN observation propagates, as in the whole batch)."""
+  whole batch's amax is the largest; a non-finite one, as a NaN tensor's +inf, wins as it
+  would in the whole batch and is settled after)."""
   (loss, dropped), (grads, history) = acc
   (new_loss, new_dropped), (new_grads, new_history) = new
   return ((loss + new_loss, dropped + new_dropped),

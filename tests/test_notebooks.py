@@ -82,6 +82,8 @@ def test_quickstart_trains_gnmr_and_static_and_plots(kernel_env, tmp_path, monke
   result = summary_line(nb, "QUICKSTART_SUMMARY")
   assert result["backend"] == "cpu" and result["config"] == "tiny"
   assert result["low_cost_path"] == "int8"
+  # The fit cell: no chip to fit on CPU, the config as it is.
+  assert result["fit"] == {"target": None, "grad_accum_steps": 1, "remat": "none"}
   assert result["steps"] == {"gnmr": 16, "static": 16}
   for mode in ("gnmr", "static"):
     perplexity = result["eval_perplexity"][mode]

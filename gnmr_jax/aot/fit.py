@@ -121,7 +121,7 @@ def fit(config: ml_collections.ConfigDict, target: str,
       if tried.fits:
         break
       accum = _next_choice(choices, tried, target_obj.device_memory_bytes)
-    if candidates[0].fits:  # the whole batch without recomputation: nothing can be faster
+    if candidates[0].fits and candidates[0].remat == 'none':  # nothing can be faster
       break
   fitting = [c for c in candidates if c.fits]
   priced = bool(fitting) and all(c.tokens_per_s for c in fitting)
