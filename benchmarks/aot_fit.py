@@ -41,7 +41,7 @@ def run_cell(name: str, target: str, overrides: dict) -> dict:
   for key, value in overrides.items():
     group, field = key.split(".")
     config[group][field] = value
-  result = fit_lib.fit(config, target)
+  result = fit_lib.fit(config, target, log=lambda line: print(line, file=sys.stderr, flush=True))
   result.update(config_name=f"llama:{name}", overrides_given=overrides,
                 precision={"mode": config.precision.mode,
                            "low_cost_path": config.precision.low_cost_path},

@@ -82,7 +82,8 @@ def main_fit(config, target: str) -> None:
   """--fit: the candidates, the chosen one; exit 3 when nothing fits."""
   from gnmr_jax.aot import fit as fit_lib  # pylint: disable=g-import-not-at-top
   try:
-    result = fit_lib.fit(config, target, remats=tuple(_FIT_REMAT.value))
+    result = fit_lib.fit(config, target, remats=tuple(_FIT_REMAT.value),
+                         log=lambda line: print(line, file=sys.stderr, flush=True))
   except USER_ERRORS as e:
     print(f'gnmr_jax.aot: error: {e}', file=sys.stderr)
     sys.exit(2)

@@ -16,12 +16,19 @@ without a device spec, the one with the fewest micro-batches and then the least 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+import re
+from typing import Callable, Optional, Sequence
 
 import ml_collections
 
 from gnmr_jax.aot import compile as compile_lib
 from gnmr_jax.aot import targets as targets_lib
+
+# A TPU compiler refusing a program says what it would need: libtpu 0.0.42 "the total memory
+# required for HLO temporaries (134.16G) exceeds available HBM (15.75G)", older ones "Used
+# 87.73G of 15.75G hbm".
+_USED = re.compile(r'(?:temporaries \(|Used )([\d.]+)([KMGT]?)\)? (?:exceeds|of)')
+_UNIT = {'': 1, 'K': 2 ** 10, 'M': 2 ** 20, 'G': 2 ** 30, 'T': 2 ** 40}
 
 # Cheapest recomputation first: the order ties are broken in without a step-time model.
 REMAT_POLICIES = ('none', 'dots_saveable', 'full')
@@ -38,6 +45,7 @@ class Candidate:
   temp_bytes: Optional[int]
   tokens_per_s: Optional[float]  # the step-time model's, per device; None without a spec
   compile_s: Optional[float]
+  refused_bytes: Optional[int] = None  # what a refusing compiler said the program needs
 
   def overrides(self) -> list[str]:
     return [f'--config.train.grad_accum_steps={self.grad_accum_steps}',
@@ -65,11 +73,14 @@ def _candidate(report: dict, accum: int, remat: str, batch_size: int) -> Candida
   step = report['steps']['train']
   memory = step.get('memory') or {}
   projection = step.get('step_time') or {}
+  used = _USED.search(step.get('error', ''))
   return Candidate(grad_accum_steps=accum, micro_batch=batch_size // accum, remat=remat,
                    fits=bool(step['fits']), peak_bytes=memory.get('peak_bytes'),
                    temp_bytes=memory.get('temp'),
                    tokens_per_s=projection.get('tokens_per_s'),
-                   compile_s=step.get('compile_s'))
+                   compile_s=step.get('compile_s'),
+                   refused_bytes=(int(float(used.group(1)) * _UNIT[used.group(2)]) if used
+                                  else None))
 
 
 def _next_choice(choices: list[int], tried: Candidate, device_bytes: int) -> Optional[int]:
@@ -78,19 +89,27 @@ def _next_choice(choices: list[int], tried: Candidate, device_bytes: int) -> Opt
   larger = [k for k in choices if k > tried.grad_accum_steps]
   if not larger:
     return None
-  if tried.peak_bytes is None:  # refused outright: no memory figures, try the next k
-    return larger[0]
-  fixed = tried.peak_bytes - tried.temp_bytes
+  if tried.peak_bytes is None:
+    if tried.refused_bytes is None:  # refused without a figure: try the next k
+      return larger[0]
+    # Only the total is known: taking all of it as temporaries (nothing fixed) still bounds
+    # the k needed from below, since the program does not fit.
+    fixed, temp = 0, tried.refused_bytes
+  else:
+    fixed, temp = tried.peak_bytes - tried.temp_bytes, tried.temp_bytes
   room = device_bytes - fixed
   if room <= 0:  # params, optimizer state and program alone exceed the device
     return None
-  needed = tried.grad_accum_steps * tried.temp_bytes / room
+  needed = tried.grad_accum_steps * temp / room
   return next((k for k in larger if k >= needed), larger[-1])
 
 
 def fit(config: ml_collections.ConfigDict, target: str,
-        remats: Sequence[str] = REMAT_POLICIES, cache_dir: Optional[str] = None) -> dict:
+        remats: Sequence[str] = REMAT_POLICIES, cache_dir: Optional[str] = None,
+        log: Optional[Callable[[str], None]] = None) -> dict:
   """Compiles the candidates (see the module docstring) and chooses one.
+
+  ``log``, when given, gets a line per candidate as it is compiled (a fit compiles several).
 
   Returns:
     {'target', 'global_batch', 'seq_len', 'device_memory_bytes', 'priced' (whether the target
@@ -118,6 +137,9 @@ def fit(config: ml_collections.ConfigDict, target: str,
                                           cache_dir=cache_dir, step_time=True)
       tried = _candidate(report, accum, remat, batch)
       candidates.append(tried)
+      if log is not None:
+        log(f'fit: accumulation {accum} x micro-batch {batch // accum}, remat {remat}: '
+            f'{"fits" if tried.fits else "does not fit"} ({tried.compile_s} s to compile)')
       if tried.fits:
         break
       accum = _next_choice(choices, tried, target_obj.device_memory_bytes)
@@ -145,7 +167,12 @@ def format_fit(result: dict) -> str:
            '| accumulation | micro-batch | remat | peak GB | temporaries GB | fits | '
            'tokens/s per device (model) |', '|---|---|---|---|---|---|---|']
   for c in result['candidates']:
-    peak = f"{c['peak_bytes'] / gb:.2f}" if c['peak_bytes'] is not None else 'refused'
+    if c['peak_bytes'] is not None:
+      peak = f"{c['peak_bytes'] / gb:.2f}"
+    elif c.get('refused_bytes'):
+      peak = f"refused (needs {c['refused_bytes'] / gb:.2f})"
+    else:
+      peak = 'refused'
     temp = f"{c['temp_bytes'] / gb:.2f}" if c['temp_bytes'] is not None else '-'
     speed = f"{c['tokens_per_s']:,.0f}" if c['tokens_per_s'] else '-'
     lines.append(f"| {c['grad_accum_steps']} | {c['micro_batch']} | {c['remat']} | {peak} | "

@@ -48,6 +48,27 @@ def test_accumulation_choices_keep_the_micro_batch_on_the_mesh():
   assert fit_lib.accumulation_choices(6, 4) == []
 
 
+def test_the_next_accumulation_comes_from_the_compiled_memory():
+  choices = [1, 2, 4, 8, 16, 32]
+  device = 16 * 2 ** 30
+  # libtpu 0.0.42's refusal names the temporaries: 134 GiB at k = 1 needs k >= 8.4 -> 16.
+  refusal = ('RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO '
+             'temporaries (134.16G) exceeds available HBM (15.75G).')
+  tried = fit_lib._candidate({'steps': {'train': {'fits': False, 'error': refusal}}}, 1, 'none',
+                             256)
+  assert tried.refused_bytes == int(134.16 * 2 ** 30)
+  assert fit_lib._next_choice(choices, tried, device) == 16
+  # A compiled program's figures: 6 GiB fixed, 20 GiB of temporaries at k = 2 -> k >= 4.
+  compiled = fit_lib.Candidate(2, 128, 'none', False, 26 * 2 ** 30, 20 * 2 ** 30, None, 1.0)
+  assert fit_lib._next_choice(choices, compiled, device) == 4
+  # Params and optimizer state alone past the device: no accumulation helps.
+  hopeless = fit_lib.Candidate(1, 256, 'none', False, 40 * 2 ** 30, 20 * 2 ** 30, None, 1.0)
+  assert fit_lib._next_choice(choices, hopeless, device) is None
+  # Refused without a figure: the next k.
+  silent = fit_lib.Candidate(4, 64, 'full', False, None, None, None, None)
+  assert fit_lib._next_choice(choices, silent, device) == 8
+
+
 def test_fit_cli_compiles_candidates_and_chooses_the_fastest_that_fits(tmp_path):
   out = tmp_path / 'fit.json'
   env = {**os.environ, 'PYTHONPATH': REPO}
