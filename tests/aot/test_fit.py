@@ -74,9 +74,9 @@ def test_fit_cli_compiles_candidates_and_chooses_the_fastest_that_fits(tmp_path)
   env = {**os.environ, 'PYTHONPATH': REPO}
   run = subprocess.run(
       [sys.executable, '-m', 'gnmr_jax.aot', '--config=configs/tiny.py:runlocal',
-       '--target=v5e-1', '--fit', '--config.precision.mode=static',
+       '--target=h100', '--fit', '--config.precision.mode=static',
        f'--config.data.seq_len={SEQ}', f'--config.model.max_seq_len={SEQ}',
-       '--config.model.attention=xla', '--config.data.batch_size=128', '--fit_remat=none,full',
+       '--config.model.attention=xla', '--config.data.batch_size=512', '--fit_remat=none,full',
        f'--json={out}'],
       cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
   assert run.returncode == 0, run.stderr[-3000:]
