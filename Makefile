@@ -14,11 +14,17 @@ TARGET ?= h100
 
 .PHONY: train test venv bench clean aot aot-venv docs
 
+# uv installs the locks (same versions as pip resolves, checked 2026-12-07) in ~10 s where pip
+# took ~70 s on 2 cores: parallel, no bytecode compilation, and a per-machine cache (~/.cache/uv)
+# that makes a fresh clone's set-up a few seconds.
+UV_VERSION := 0.13.10
+UV := $(BIN)/uv
+
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements.lock
-	$(BIN)/python -m pip install -q --no-deps -e .
+	$(BIN)/python -m pip install -q uv==$(UV_VERSION)
+	$(UV) pip install -q --python $(BIN)/python -r requirements.lock
+	$(UV) pip install -q --python $(BIN)/python --no-deps -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,7 +32,7 @@ venv: $(STAMP)
 $(AOT_STAMP): $(STAMP) requirements-aot.lock
 	test -x $(AOT_VENV)/bin/python || $(PY) -m venv $(AOT_VENV)
 	$(AOT_VENV)/bin/python scripts/aot_venv_link.py "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-	$(AOT_VENV)/bin/python -m pip install -q --no-deps -r requirements-aot.lock
+	$(UV) pip install -q --python $(AOT_VENV)/bin/python --no-deps -r requirements-aot.lock
 	touch $(AOT_STAMP)
 
 aot-venv: $(AOT_STAMP)
