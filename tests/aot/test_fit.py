@@ -32,12 +32,13 @@ def _long_sequences(batch: int, accum: int = 1):
 def test_the_accumulated_step_holds_one_micro_batch_of_activations(target):
   micro = compile_lib.compile_config(_long_sequences(4), target, ('train',))
   accumulated = compile_lib.compile_config(_long_sequences(16, accum=4), target, ('train',))
-  whole = compile_lib.compile_config(_long_sequences(16), target, ('train',))
-  temp = {name: report['steps']['train']['memory']['temp']
-          for name, report in (('micro', micro), ('accumulated', accumulated), ('whole', whole))}
+  reports = {'micro': micro, 'accumulated': accumulated}
+  if target == 't4':  # what accumulation saves, once (a TPU compile costs ~3x a GPU one here)
+    reports['whole'] = compile_lib.compile_config(_long_sequences(16), target, ('train',))
+  temp = {name: report['steps']['train']['memory']['temp'] for name, report in reports.items()}
   # One micro-batch's activations, plus the float32 gradient sum the scan carries.
   assert temp['accumulated'] <= 1.2 * temp['micro'], temp
-  assert temp['whole'] > 3 * temp['micro'], temp  # what accumulation saves here
+  assert temp.get('whole', 4 * temp['micro']) > 3 * temp['micro'], temp
   step = accumulated['steps']['train']
   assert 4 in step['loops'].values(), step['loops']  # the micro-batch scan, 4 trips
 
