@@ -95,9 +95,49 @@ def zero_nonfinite_units(inner: optax.GradientTransformation, units=None,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def skip_nonfinite(inner: optax.GradientTransformation,
+                   max_consecutive_errors: int = 2**30) -> optax.GradientTransformationExtraArgs:
+  """``optax.apply_if_finite(inner, max_consecutive_errors)`` with its state and results, bit
+  for bit, without its ``lax.cond``: ``inner`` runs every step and a select keeps the old state
+  (and zero updates) where the step is not finite.
+
+  Why: a donated optimizer state passed through a conditional is copied (one branch returns it
+  as it is, the other anew), and the select fuses into the update, which then writes in place:
+  compiled for a TPU v6e, llama:1b's train step holds 20.62 GB of temporaries under
+  ``apply_if_finite`` and 8.17 GB under this (benchmarks/aot_fit.py; the same without a guard).
+  The price is ``inner``'s elementwise work on a skipped step, which a run skips rarely.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params):
+    return optax.ApplyIfFiniteState(
+        notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True, jnp.bool_),
+        total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
+
+  def update(updates, state, params=None, **extra_args):
+    finite = jnp.array(True)
+    for leaf in jax.tree_util.tree_leaves(updates):
+      finite &= jnp.all(jnp.isfinite(leaf))
+    notfinite_count = jnp.where(finite, jnp.zeros([], jnp.int32),
+                                optax.safe_increment(state.notfinite_count))
+    apply = finite | (notfinite_count > max_consecutive_errors)
+    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra_args)
+    new_updates = jax.tree_util.tree_map(lambda u: jnp.where(apply, u, jnp.zeros_like(u)),
+                                         new_updates)
+    new_inner = jax.tree_util.tree_map(lambda new, old: jnp.where(apply, new, old), new_inner,
+                                       state.inner_state)
+    return new_updates, optax.ApplyIfFiniteState(
+        notfinite_count=notfinite_count, last_finite=finite,
+        total_notfinite=jnp.where(finite, state.total_notfinite,
+                                  optax.safe_increment(state.total_notfinite)),
+        inner_state=new_inner)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
 def make_optimizer(config: ml_collections.ConfigDict,
                    pre_update=()) -> optax.GradientTransformation:
-  """optax.chain(gnmr, apply_if_finite(chain(clip, adamw))) from config.
+  """optax.chain(gnmr, skip_nonfinite(chain(clip, adamw))) from config.
 
   The controller comes first so it sees raw gradients, including non-finite
   ones (it ranks those units first and keeps them out of its history); the
@@ -117,7 +157,7 @@ def make_optimizer(config: ml_collections.ConfigDict,
                            weight_decay=opt.weight_decay))
   update = optax.chain(*inner)
   if opt.nonfinite == "skip":
-    update = optax.apply_if_finite(update, max_consecutive_errors=2**30)
+    update = skip_nonfinite(update)
   elif opt.nonfinite == "zero":
     update = zero_nonfinite_units(update, config.gnmr.units or None,
                                   config.gnmr.layer_axis or None)

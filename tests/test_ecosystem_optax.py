@@ -235,3 +235,26 @@ def test_complex_gradients_use_the_modulus():
                                    "d": jnp.ones((2, 2))}, state)
   np.testing.assert_allclose(float(state.norm_sum["c"]), 2.0 + 10.0, rtol=1e-6)
   np.testing.assert_allclose(float(state.norm["c"]), 10.0, rtol=1e-6)
+
+
+def test_skip_nonfinite_is_apply_if_finite_bit_for_bit_without_its_cond():
+  from gnmr_jax.optim import skip_nonfinite  # pylint: disable=g-import-not-at-top
+  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+  ours, theirs = skip_nonfinite(inner, 2), optax.apply_if_finite(inner, 2)
+  params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.ones(4)}
+  good = {"w": jnp.full((3, 4), 0.5), "b": jnp.arange(4.0)}
+  nan = {"w": good["w"].at[1, 2].set(jnp.nan), "b": good["b"]}
+  inf = {"w": good["w"], "b": good["b"].at[0].set(jnp.inf)}
+  # finite, NaN, Inf, NaN (the third in a row passes max_consecutive_errors=2), finite
+  sequence = [good, nan, inf, nan, good]
+  states = [tx.init(params) for tx in (ours, theirs)]
+  for grads in sequence:
+    out = [jax.jit(tx.update)(grads, s, params) for tx, s in zip((ours, theirs), states)]
+    (u1, s1), (u2, s2) = out
+    jax.tree.map(np.testing.assert_array_equal, u1, u2)
+    jax.tree.map(np.testing.assert_array_equal, s1, s2)
+    states = [s1, s2]
+  assert int(states[0].total_notfinite) == 3 and int(states[0].notfinite_count) == 0
+  # ... and its program has no conditional (what costs apply_if_finite the state's copies)
+  hlo = jax.jit(ours.update).lower(good, states[0], params).compile().as_text()
+  assert "conditional" not in hlo
