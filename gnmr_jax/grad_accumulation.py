@@ -49,7 +49,3 @@ def over_micro_batches(fn: Callable, batch, steps: int, combine: Callable):
   out, _ = jax.lax.scan(body, zeros, micro)
   return out
 
-
-def add(a, b):
-  """Leafwise a + b (the combine of gradients, loss sums and counters)."""
-  return jax.tree_util.tree_map(jnp.add, a, b)

@@ -103,7 +103,7 @@ def gradient_passes(spec: StepSpec, params, batch, amax_history=None) -> gap_lib
           lambda p: _model_loss_sum(model, p, micro, mask, amax_history)[0] / count)(params)
 
     return accumulation.over_micro_batches(micro_grads, data, spec.grad_accum_steps,
-                                           accumulation.add)
+                                           optax.tree.add)
 
   return gap_lib.GradientPasses(
       low_cost=lambda: grads(spec.model, None),
@@ -130,7 +130,7 @@ def _combine_micro_batches(acc, new):
   (loss, dropped), (grads, history) = acc
   (new_loss, new_dropped), (new_grads, new_history) = new
   return ((loss + new_loss, dropped + new_dropped),
-          (accumulation.add(grads, new_grads),
+          (optax.tree.add(grads, new_grads),
            jax.tree_util.tree_map(jnp.maximum, history, new_history)))
 
 

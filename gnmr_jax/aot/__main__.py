@@ -78,44 +78,36 @@ def compile_fitting(config, target: str, steps, fit_batch: bool,
   return first
 
 
-def main_fit(config, target: str) -> None:
-  """--fit: the candidates, the chosen one; exit 3 when nothing fits."""
-  from gnmr_jax.aot import fit as fit_lib  # pylint: disable=g-import-not-at-top
-  try:
-    result = fit_lib.fit(config, target, remats=tuple(_FIT_REMAT.value),
+def _fit_or_compile() -> tuple[dict, str, bool]:
+  """(the JSON result, its text, whether it fits) of --fit, or of the compile report."""
+  if _FIT.value:
+    from gnmr_jax.aot import fit as fit_lib  # pylint: disable=g-import-not-at-top
+    result = fit_lib.fit(_CONFIG.value, _TARGET.value, remats=tuple(_FIT_REMAT.value),
                          log=lambda line: print(line, file=sys.stderr, flush=True))
-  except USER_ERRORS as e:
-    print(f'gnmr_jax.aot: error: {e}', file=sys.stderr)
-    sys.exit(2)
-  print(fit_lib.format_fit(result))
-  if _JSON.value:
-    with open(_JSON.value, 'w') as f:
-      json.dump(result, f, indent=1, sort_keys=True)
-  if result['chosen'] is None:
-    sys.exit(EXIT_DOES_NOT_FIT)
+    return result, fit_lib.format_fit(result), result['chosen'] is not None
+  report = compile_fitting(_CONFIG.value, _TARGET.value, _STEPS.value, _FIT_BATCH.value,
+                           _STEP_TIME.value)
+  text = report_lib.format_report(report)
+  if 'largest_fitting_batch' in report:
+    found = report['largest_fitting_batch']
+    text += '\n' + (f'largest batch that fits: {found}' if found else
+                    'no batch down to the smallest the mesh divides fits')
+  return report, text, compile_lib.fits(report)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  if _FIT.value:
-    main_fit(_CONFIG.value, _TARGET.value)
-    return
   try:
-    report = compile_fitting(_CONFIG.value, _TARGET.value, _STEPS.value, _FIT_BATCH.value,
-                             _STEP_TIME.value)
+    result, text, fits = _fit_or_compile()
   except USER_ERRORS as e:
     print(f'gnmr_jax.aot: error: {e}', file=sys.stderr)
     sys.exit(2)
-  print(report_lib.format_report(report))
-  if 'largest_fitting_batch' in report:
-    found = report['largest_fitting_batch']
-    print(f'largest batch that fits: {found}' if found else
-          'no batch down to the smallest the mesh divides fits')
+  print(text)
   if _JSON.value:
     with open(_JSON.value, 'w') as f:
-      json.dump(report, f, indent=1, sort_keys=True)
-  if not compile_lib.fits(report):
+      json.dump(result, f, indent=1, sort_keys=True)
+  if not fits:
     sys.exit(EXIT_DOES_NOT_FIT)
 
 
