@@ -399,6 +399,10 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     raise ValueError(f"config.gnmr.priority={priority!r} ranks units by a measured recovery "
                      "gap: set config.diagnostics.recovery_gap_every to K > 0 (measure every K "
                      "steps).")
+  if g.enabled and priority == "saturation" and config.precision.get("scaling") != "delayed":
+    raise ValueError(f"config.gnmr.priority='saturation' reads delayed scaling's saturation: "
+                     f"set config.precision.scaling='delayed' (got "
+                     f"{config.precision.get('scaling')!r}; without it nothing is recovered).")
   if config.precision.mode == "gnmr" and not g.enabled:
     raise ValueError("config.precision.mode='gnmr' needs config.gnmr.enabled=True "
                      "(the recovery mask comes from the controller).")

@@ -99,7 +99,8 @@ class MetricsLogger:
 
   def units(self, step: int, mask: np.ndarray, score: np.ndarray, gnmr: np.ndarray,
             delta_gnmr: np.ndarray, norm: Optional[np.ndarray] = None,
-            noise_fraction: Optional[np.ndarray] = None):
+            noise_fraction: Optional[np.ndarray] = None,
+            saturation: Optional[np.ndarray] = None):
     if not self.enabled:
       return
     row = {"step": step, "mask": np.asarray(mask, bool).astype(int).tolist(),
@@ -111,6 +112,8 @@ class MetricsLogger:
     if noise_fraction is not None:  # pi_u of the budgeted priorities (0 before a measurement)
       row["noise_fraction"] = [float(f"{v:.5g}") for v in np.nan_to_num(
           noise_fraction, nan=0.0, posinf=1e30)]
+    if saturation is not None:  # delayed scaling: amax over the scale's range (> 1: saturated)
+      row["saturation"] = [float(f"{v:.5g}") for v in np.nan_to_num(saturation, posinf=1e30)]
     self._units.write(json.dumps(row) + "\n")
     self._units.flush()
 
@@ -168,6 +171,8 @@ class StepStats:
     self.bad_streak = 0         # consecutive steps with a non-finite loss or gradient
     self.dropped_total = 0      # recoveries the side buffer had no room for
     self.timed_steps, self.timed_seconds = 0, 0.0
+    # delayed scaling: unit-steps this process observed, and how many of them saturated
+    self.saturation_unit_steps, self.saturated_unit_steps = 0, 0
     self.last = None            # host metrics of the last observed step
     self.restart_timer()
 
@@ -188,6 +193,9 @@ class StepStats:
     self.bad_streak = self.bad_streak + 1 if bool(host["nonfinite"]) else 0
     self.dropped_total += int(host["side_buffer_dropped"])
     self._steps_since_log += 1
+    if "unit_saturation" in host:
+      self.saturation_unit_steps += host["unit_saturation"].size
+      self.saturated_unit_steps += int(np.sum(host["unit_saturation"] > 1))
     if step % self.log_every == 0 or step == self.total:
       now = time.perf_counter()
       dt = (now - self._t_last) / self._steps_since_log
@@ -204,7 +212,7 @@ class StepStats:
     if every and "unit_mask_used" in host and (step % every == 0 or step == self.total):
       self.log.units(step, host["unit_mask_used"], host["unit_score"], host["unit_gnmr"],
                      host["unit_delta_gnmr"], host["unit_norm"],
-                     host.get("unit_noise_fraction"))
+                     host.get("unit_noise_fraction"), host.get("unit_saturation"))
     if "gap_measured" in host and bool(host["gap_measured"]):
       self.log.recovery_gap(step, host["unit_gap"], host["unit_gap_rec_norm"],
                             host["unit_mask_used"], self.max_o, host.get("unit_gap_signal_sq"),
@@ -292,6 +300,9 @@ def format_summary(summary: dict) -> str:
     lines.append(f"  {label} {summary['recovered_unit_steps_pct']:.3f}% of "
                  f"{summary['num_units']} units x {summary['step']} steps "
                  f"(threshold exceedance {summary['threshold_exceedance_pct']:.3f}%)")
+  if "saturated_per_1000_unit_steps" in summary:
+    lines.append(f"  saturated unit-steps      {summary['saturated_per_1000_unit_steps']:.2f} per "
+                 f"1000 (delayed scaling: codes clipped at the scale's range)")
   lines.append(f"  tokens/s                  {summary['tokens_per_s']:.0f}")
   if summary.get("side_buffer_dropped"):
     lines.append(f"  WARNING: {summary['side_buffer_dropped']} recoveries found the side buffer full "

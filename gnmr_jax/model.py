@@ -44,6 +44,7 @@ from gnmr_jax import loss as loss_lib
 from gnmr_jax import sharding
 from gnmr_jax.model_configs import static_scan_unroll, validate_model_config
 from gnmr_jax.precision import amax_history as amax_history_lib
+from gnmr_jax.precision import delayed_scaling
 from gnmr_jax.precision import explicit_sharding, side_buffer
 
 # Projection names per sub-module; each owns a `kernel` of shape [d_in, d_out]
@@ -133,32 +134,39 @@ def projection_recover_bits(recovery_mask: Any, num_layers: int) -> dict:
   return bits
 
 
-def amax_overflow_units(params: Any, amax_history: dict) -> Any:
-  """A params-shaped bool tree: per projection kernel, bool[L], whether this step's x or output
-  gradient amax outgrew its history (its codes saturated: amax_history.overflow); False for
-  every other leaf. What the controller reads as risk (``tx.update(..., overflow=...)``).
+def amax_saturation_units(params: Any, previous: dict, current: dict) -> Any:
+  """A params-shaped float32 tree: per projection kernel, float32[L], the largest of its x, W
+  and output-gradient saturations this step (``delayed_scaling.saturation``: amax over the
+  largest magnitude the step's scale represented; > 1: its codes saturated); 0 for every other
+  leaf. Above 1 is what the controller reads as risk (``tx.update(..., overflow=...)``) and
+  what the train step logs per unit (``unit_saturation``).
+
+  Args:
+    params: the model's params (the tree's shape).
+    previous: the amax histories the step scaled from (``TrainState.amax_history``).
+    current: the histories after the step (its observations in column 0).
 
   Example:
     >>> import jax.numpy as jnp
     >>> from gnmr_jax.model_configs import model_config
-    >>> history = init_amax_history(model_config('tiny'), 2)
-    >>> history['mlp']['up'] = history['mlp']['up'].at[1, 2].set(jnp.array([5.0, 1.0]))
+    >>> previous = init_amax_history(model_config('tiny'), 2)
+    >>> current = {g: dict(names) for g, names in previous.items()}
+    >>> current['mlp']['up'] = current['mlp']['up'].at[1, 0, 0].set(2 * 448.0)  # x saturated
     >>> params = {'layers': {g: {n: {'kernel': 0} for n in names}
     ...                      for g, names in PROJECTIONS.items()}, 'lm_head': 0}
-    >>> tree = amax_overflow_units(params, history)
-    >>> tree['layers']['mlp']['up']['kernel'].tolist(), tree['lm_head']
-    ([False, True, False, False], False)
+    >>> tree = amax_saturation_units(params, previous, current)
+    >>> tree['layers']['mlp']['up']['kernel'].tolist(), float(tree['lm_head'])
+    ([0.0, 2.0, 0.0, 0.0], 0.0)
   """
-  flags = {group: {name: jnp.any(jax.vmap(amax_history_lib.overflow)(history)[:, (0, 2)],
-                                 axis=1)
-                   for name, history in names.items()}
-           for group, names in amax_history.items()}
+  per_unit = {group: {name: jnp.max(jax.vmap(delayed_scaling.saturation)(
+      previous[group][name], history), axis=1) for name, history in names.items()}
+              for group, names in current.items()}
 
   def leaf(path, _):
     keys = [getattr(k, 'key', None) for k in path]
     if len(keys) == 4 and keys[0] == 'layers' and keys[3] == 'kernel':
-      return flags[keys[1]][keys[2]]
-    return False
+      return per_unit[keys[1]][keys[2]]
+    return jnp.float32(0.0)
 
   return jax.tree_util.tree_map_with_path(leaf, meta.unbox(params))
 

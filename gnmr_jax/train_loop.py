@@ -400,6 +400,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
         num_units=int(last_host["num_units"]),
         recovered_unit_steps_pct=100.0 * used_unit_steps / unit_steps,
         threshold_exceedance_pct=100.0 * int(last_host["risky_unit_steps"]) / unit_steps)
+  if stats.saturation_unit_steps:  # of the steps this process ran (a resumed run: since then)
+    summary["saturated_per_1000_unit_steps"] = (
+        1000.0 * stats.saturated_unit_steps / stats.saturation_unit_steps)
   if is_main and config.logging.plots and not preempted:
     from gnmr_jax import plots  # pylint: disable=g-import-not-at-top
     summary["plots"] = plots.plot_run(workdir)

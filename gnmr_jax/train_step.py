@@ -22,7 +22,7 @@ from gnmr_jax.control import recovery_gap as gap_lib
 from gnmr_jax.control import state as control_state
 from gnmr_jax.control.priorities import PriorityState, noise_fraction
 from gnmr_jax.control.units import UnitLayout
-from gnmr_jax.model import amax_overflow_units
+from gnmr_jax.model import amax_saturation_units
 from gnmr_jax.precision import amax_history as amax_history_lib
 
 
@@ -175,11 +175,13 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
   (loss, dropped), (grads, amax_history) = loss_and_grads(spec, state, batch, ctl, mask)
   if injector is not None:
     grads = injector.corrupt_grads(grads, step_number)
-  extra = {}
-  if amax_history is not None and ctl is not None:
-    # Delayed scaling: a unit whose amax outgrew its history saturated this step; the
-    # controller reads it as risk (control/paper.py, "Edge rules").
-    extra["overflow"] = amax_overflow_units(state.params, amax_history)
+  extra, saturation = {}, None
+  if amax_history is not None:
+    # Delayed scaling: a unit whose amax outgrew its scale's range saturated this step; the
+    # controller reads it as risk (control/paper.py, "Edge rules") and the log shows it.
+    saturation = amax_saturation_units(state.params, state.amax_history, amax_history)
+    if ctl is not None:
+      extra["overflow"] = jax.tree_util.tree_map(lambda s: s > 1, saturation)
   if spec.probe is not None:  # one extra forward+backward on the measured steps only
     gap_measured, extra["recovery_gap"] = spec.probe(
         step_number, gradient_passes(spec, state.params, batch, state.amax_history),
@@ -199,6 +201,8 @@ def train_step(state: TrainState, batch: dict, *, spec: StepSpec):
       found = priority_states[0]
       metrics["unit_noise_fraction"] = noise_fraction(spec.layout.flat(found.noise_sq),
                                                       spec.layout.flat(found.rec_sq))
+  if saturation is not None and spec.layout is not None:
+    metrics["unit_saturation"] = spec.layout.flat(saturation)
   if spec.probe is not None:
     gap = extra["recovery_gap"]
     metrics.update(gap_measured=gap_measured, unit_gap=spec.layout.flat(gap.gap),

@@ -56,7 +56,13 @@ CASES = [
         noise_gate="any", **SHARED),
      dict(priority="noise", t_lock=1, gap_decay=0.5, noise_upper=0.2, noise_lower=0.05,
           noise_rank="norm", noise_gate="any", **SHARED), 0),
+    # alpha and beta do not reach it (the norms never alarm): the saturated units alone.
+    ("research.saturation", lambda: research.saturation(
+        t_lock=1, max_o=3, warmup=2, delta=3, **SELECT),
+     dict(priority="saturation", t_lock=1, **SHARED), 0),
 ]
+# Units whose delayed-scaling codes saturated (``overflow=``), by step: (leaf, layer or None).
+SATURATED = {3: [("down", 1)], 4: [("head", None), ("q", 0)], 6: [("down", 2)]}
 STEPS = 9
 
 
@@ -85,9 +91,23 @@ def _gradients(step):
   return grads, jax.tree.map(jnp.add, grads, noise)
 
 
+def _overflow(step):
+  """The params-shaped bool tree of the units that saturated at ``step`` (SATURATED)."""
+  flags = {"q": np.zeros(3, bool), "down": np.zeros(3, bool), "head": np.bool_(False)}
+  for leaf, layer in SATURATED.get(step, ()):
+    if layer is None:
+      flags[leaf] = np.bool_(True)
+    else:
+      flags[leaf][layer] = True
+  return {"layers": {"attn": {"q": {"kernel": flags["q"]}},
+                     "mlp": {"down": {"kernel": flags["down"]}}},
+          "head": {"kernel": flags["head"]}, "norm": np.bool_(False)}
+
+
 def _states(tx):
   """The initial state and the state after each of STEPS jitted updates, with a recovery gap
-  measured on every other step (the controllers that do not rank by it ignore it)."""
+  measured on every other step and the saturated units of SATURATED (the controllers that do
+  not read them ignore them)."""
   update = jax.jit(tx.update)
   state = tx.init(PARAMS)
   states = [state]
@@ -95,7 +115,7 @@ def _states(tx):
     grads, rec = _gradients(step)
     gap = recovery_gap.unit_gaps(grads, rec, gnmr_jax.recovery_mask(state),
                                  measured=step % 2 == 1, **SELECT)
-    _, state = update(grads, state, PARAMS, recovery_gap=gap)
+    _, state = update(grads, state, PARAMS, recovery_gap=gap, overflow=_overflow(step))
     states.append(state)
   return states
 

@@ -119,14 +119,20 @@ def test_power_of_two_scale_rounds_up_exactly_and_passes_non_finite():
   assert tensor_scaling.tensor_scale(jnp.zeros(3), jnp.float8_e4m3fn, True) == 1.0
 
 
-def test_history_push_and_overflow_flags():
+def test_history_push_settle_and_saturation():
   history = amax_history.init(3)
   history = amax_history.push(history, 1.0, 2.0, 3.0)
   pushed = amax_history.push(history, jnp.inf, 1.0, 9.0)
   assert np.isinf(pushed[0, 0])  # as observed; the step settles it after its micro-batches
   history = amax_history.settle(pushed)
   np.testing.assert_array_equal(history, [[0.0, 1.0, 0.0], [1.0, 2.0, 0.0], [9.0, 3.0, 0.0]])
-  np.testing.assert_array_equal(amax_history.overflow(history), [False, False, True])
+  # Saturation against the scale of the history the step scaled from (powers of two with up
+  # to 2x headroom, so outgrowing the history is not yet saturating): x's previous amax 1 ->
+  # scale 2^-8, range 1.75; W's 2 -> 2^-7, 3.5; g's 3 (e5m2) -> 2^-14, 3.5.
+  previous = amax_history.push(amax_history.init(3), 1.0, 2.0, 3.0)
+  current = amax_history.push(previous, 1.5, 7.0, 2 * 57344 * 2.0 ** -14)
+  np.testing.assert_allclose(delayed_scaling.saturation(previous, current),
+                             [1.5 / (448 * 2.0 ** -8), 7.0 / (448 * 2.0 ** -7), 2.0], rtol=1e-6)
   with pytest.raises(ValueError, match='length'):
     amax_history.init(0)
 
@@ -160,7 +166,8 @@ def test_delayed_path_scales_from_the_history_and_pushes_what_it_saw():
   assert pushed[1, 0] == np.max(np.abs(w))                      # W: its true amax
   top_g = np.max(np.abs(_np_codes(g, scales[2], jnp.float8_e5m2)))
   assert pushed[2, 0] == np.float32(top_g * scales[2])           # g: from its codes
-  assert np.asarray(amax_history.overflow(outs[3])).tolist() == [True, False, False]
+  sat = np.asarray(delayed_scaling.saturation(history, outs[3]))
+  assert sat[0] == 2.0 and 0 < sat[1] <= 1 and 0 < sat[2] <= 1  # x saturated, W and g not
 
 
 def _routed_case(storage, recover, scaling_name='delayed', seed=2):
@@ -337,3 +344,61 @@ def test_delayed_scaling_on_an_explicit_mesh_matches_one_device():
     np.testing.assert_array_equal(got[:, 1, 0], want[:, 1, 0])
     assert_allclose(got[:, 0, 0], want[:, 0, 0], rtol=2.0 ** -3)
     assert_allclose(got[:, 2, 0], want[:, 2, 0], rtol=2.0 ** -2)
+
+
+def _numpy_saturation(previous, current):
+  """float64 [3] per-row saturation of one unit (delayed_scaling.saturation), from scratch: the
+  largest observation of the previous history over the format's top, rounded up to a power of
+  two (1 with no observation), times the top, divides this step's observation."""
+  out = []
+  for row, top in enumerate((448.0, 448.0, 57344.0)):
+    amax = float(np.max(previous[row]))
+    scale = 2.0 ** np.ceil(np.log2(amax / top)) if amax > 0 else 1.0
+    out.append(float(current[row, 0]) / (scale * top))
+  return np.array(out)
+
+
+def test_train_step_logs_each_units_saturation_and_the_saturation_priority_recovers_it(
+    data_dirs):
+  # History of 1 step: a unit whose x, W or g amax grows past the power-of-two range of the
+  # last step's saturates, which the first steps of training do.
+  from gnmr_jax import train_loop  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
+  from tests.train_helpers import small_config  # pylint: disable=g-import-not-at-top
+  config = small_config(data_dirs, **{
+      'precision.mode': 'gnmr', 'precision.low_cost_path': 'fp8',
+      'precision.scaling': 'delayed', 'precision.amax_history_length': 1,
+      'gnmr.priority': 'saturation', 'gnmr.t_lock': 0, 'gnmr.warmup': 0})
+  config.gnmr.max_o = 7 * config.model.num_layers  # every unit fits: the mask is the rule's
+  data = make_data(config.data)
+  run = train_loop.build(config, data=data, devices=jax.devices()[:1])
+  names = run.unit_names
+  it = data.train_iterator()
+  saturated = 0
+  with train_loop.sharding.activation_sharding(run.mesh):
+    state = run.init_state(jax.random.key(0))
+    for _ in range(8):
+      previous = jax.tree.map(np.asarray, state.amax_history)
+      state, metrics = run.train_step(state, train_loop.device_batch(run, next(it)))
+      current = jax.tree.map(np.asarray, state.amax_history)
+      want = []
+      for name in names:  # 'layers/<group>/<name>/kernel[<layer>]'
+        _, group, proj, rest = name.split('/')
+        layer = int(rest[len('kernel['):-1])
+        want.append(np.max(_numpy_saturation(previous[group][proj][layer],
+                                             current[group][proj][layer])))
+      got = np.asarray(metrics['unit_saturation'])
+      np.testing.assert_array_equal(got, np.asarray(want, np.float32))
+      # The controller read saturation > 1 as the alarm: the next step's mask is that set.
+      np.testing.assert_array_equal(np.asarray(metrics['unit_mask_next']), got > 1)
+      saturated += int(np.sum(got > 1))
+  assert saturated > 0  # the run had events to check
+
+
+def test_saturation_priority_without_delayed_scaling_is_refused(data_dirs):
+  from gnmr_jax.config import validate_config  # pylint: disable=g-import-not-at-top
+  from tests.train_helpers import small_config  # pylint: disable=g-import-not-at-top
+  config = small_config(data_dirs, **{'precision.mode': 'gnmr', 'precision.low_cost_path': 'fp8',
+                                      'gnmr.priority': 'saturation'})
+  with pytest.raises(ValueError, match="priority='saturation'.*precision.scaling='delayed'"):
+    validate_config(config, device_count=1)

@@ -80,6 +80,9 @@ FROM_CONFIG: dict[str, Callable] = {
                                                            **_shared(g)),
     "late_switch": lambda g, seed: recommended.late_switch(_field(g, "switch_step"),
                                                            **_shared(g)),
+    "saturation": lambda g, seed: research.saturation(
+        t_lock=t_lock_of(g), max_o=g.max_o, warmup=g.warmup, units=g.units or None,
+        layer_axis=g.layer_axis or None, delta=g.delta),
     "noise": lambda g, seed: research.noise(
         t_lock=t_lock_of(g), gap_decay=_gap_decay(g), noise_upper=_field(g, "noise_upper"),
         noise_lower=_field(g, "noise_lower"), noise_rank=_field(g, "noise_rank"),

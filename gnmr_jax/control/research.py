@@ -6,6 +6,7 @@
   hybrid   the paper's alarm first, the norm level fills the budget
   random   max_o units drawn uniformly at random: the same-budget baseline
   noise    the measured quantization-noise fraction against a threshold, plus the paper's alarm
+  saturation  delayed scaling's saturation alone: a unit whose codes saturated this step
 
 None of them is recommended for training (:mod:`gnmr_jax.control.recommended` lists those, with
 the measurements): the gap-ranked ones cost one extra forward + backward per measurement and
@@ -28,7 +29,10 @@ from __future__ import annotations
 
 import optax
 
+import jax.numpy as jnp
+
 from gnmr_jax.control import checks as _checks
+from gnmr_jax.control import paper
 from gnmr_jax.control import priorities
 from gnmr_jax.control.priorities import PAPER_ALPHA, PAPER_BETA, PAPER_DELTA, PAPER_T_LOCK
 
@@ -300,3 +304,49 @@ def noise(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
                              noise_lower=noise_lower, noise_rank=noise_rank,
                              noise_gate=noise_gate, warmup=warmup, units=units,
                              layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta)
+
+
+def _never(count):
+  """A threshold no ratio exceeds (``saturation``: the norms never alarm)."""
+  del count
+  return jnp.inf
+
+
+def saturation(*, max_o: int, t_lock: int = PAPER_T_LOCK, warmup: int = 0, units=None,
+               layer_axis=None, delta: int = PAPER_DELTA) -> optax.GradientTransformationExtraArgs:
+  """Delayed scaling's saturation as the only alarm: the units whose codes saturated this step
+  (``update(..., overflow=tree)``: ``gnmr_jax.model.amax_saturation_units`` > 1, which the train
+  step passes with delayed scaling) run the recovery path from the next step, locked for
+  ``t_lock`` steps; the gradient norms never alarm. It reads the cause the paper's rule reads
+  through the gradient norm, so it bounds what a norm-watching controller can do in the
+  delayed-scaling regime (experiments/delayed_regime.py). Over ``max_o`` saturated units, tree
+  order decides. Without ``overflow`` (no delayed scaling) it recovers nothing.
+
+  This is :func:`gnmr_jax.gnmr` with thresholds that never fire (its edge rule makes an
+  overflowed unit risky with score 1), so it keeps a :class:`gnmr_jax.GNMRState` and its
+  statistics.
+
+  Args:
+    max_o: units recovered per step (>= 0).
+    t_lock: steps a saturated unit stays recovered after the step it saturated (>= 0); the
+      scale catches up within a step or two (delayed_scaling.py), so a short lock covers it.
+    warmup, units, layer_axis, delta: as in :func:`gnmr_jax.gnmr` (``delta`` sizes the
+      statistics' window, which no decision reads here).
+
+  Example:
+    >>> import jax.numpy as jnp, gnmr_jax
+    >>> from gnmr_jax.control import research
+    >>> tx = research.saturation(max_o=1, t_lock=1)
+    >>> params = {'a': jnp.ones((2, 2)), 'b': jnp.ones((2, 2))}
+    >>> state = tx.init(params)
+    >>> for a_scale, b_saturated in ((1, False), (1, True), (100, False), (1, False)):
+    ...   grads = {'a': a_scale * params['a'], 'b': params['b']}  # a's x100 jump: no alarm
+    ...   _, state = tx.update(grads, state, params, overflow={'a': False, 'b': b_saturated})
+    ...   print([k for k, v in gnmr_jax.recovery_mask(state).items() if v])
+    []
+    ['b']
+    ['b']
+    []
+  """
+  return paper.gnmr(alpha=_never, beta=_never, delta=delta, max_o=max_o, t_lock=t_lock,
+                    warmup=warmup, units=units, layer_axis=layer_axis)

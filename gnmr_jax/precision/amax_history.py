@@ -48,10 +48,3 @@ def settle(history: jax.Array) -> jax.Array:
 def history_amax(history_row: jax.Array) -> jax.Array:
   """The amax a row scales by: the largest observation it holds (0: none yet)."""
   return jnp.max(history_row)
-
-
-def overflow(history: jax.Array) -> jax.Array:
-  """bool[3]: whether the newest observation exceeded what the older ones held (the scale of
-  that step was too small, so codes saturated), per row; False without older observations."""
-  previous = jnp.max(history[:, 1:], axis=1) if history.shape[1] > 1 else jnp.zeros(3)
-  return (previous > 0) & (history[:, 0] > previous)

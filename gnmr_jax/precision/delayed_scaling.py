@@ -17,9 +17,10 @@ Transformer Engine's initial scale does: an output gradient far below 1 then und
 that one step (its weight gradient is 0) and is in range from the next. The history's update
 rides in the backward pass (path.path_dot), the train step keeps the next history.
 
-Numerics: a saturated step clips the outgrowing values to the largest code
-(``amax_history.overflow`` flags the jump), which current scaling never does and why the 'row'
-recipe stays the precise one. fp8 only: a power-of-two scale puts the history's amax in the
+Numerics: a saturated step clips the outgrowing values to the largest code (:func:`saturation`
+tells which steps did), which current scaling never does and why the 'row' recipe stays the
+precise one. The power-of-two scale leaves headroom (up to 2x above the history's amax), so an
+amax that outgrows its history saturates only past that headroom. fp8 only: a power-of-two scale puts the history's amax in the
 top binade of an fp8 format at no cost in precision (its spacing is relative), while an int8
 grid would lose a bit; and the saturation test (the largest code reached) would fire on every
 step at int8's exact absmax scale.
@@ -40,6 +41,35 @@ def history_scale(history_row: jax.Array, dtype) -> jax.Array:
   amax = amax_history.history_amax(history_row)
   scale = tensor_scaling.power_of_two_scale(amax / quantize.MAX_VALUE[jnp.dtype(dtype)])
   return jnp.where(amax > 0, scale, 1.0)
+
+
+# The formats of the fp8 recipe's history rows x, W and g (per_tensor.FP8_DELAYED).
+FORMATS = (jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def saturation(previous: jax.Array, current: jax.Array, formats=FORMATS) -> jax.Array:
+  r"""float32[3]: per row (x, W, g), this step's amax over the largest magnitude its scale
+  represented, :math:`a_t / (q_{max} s_t)` with :math:`s_t` from ``previous``: at most 1 in
+  range, above 1 when codes saturated (an x or g observation read from saturated codes is 2:
+  :data:`SATURATION_GROWTH`; W's is its exact amax), 0 for a row with no observation (a
+  non-finite step, settled).
+
+  Args:
+    previous: the history the step scaled from, float32[3, H].
+    current: the history after the step (``amax_history.push`` then ``settle``), whose column
+      0 holds what the step observed.
+    formats: the code formats of the rows.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> previous = jnp.zeros((3, 4)).at[:, 0].set(jnp.array([300.0, 448.0, 57344.0]))
+    >>> current = jnp.zeros((3, 4)).at[:, 0].set(jnp.array([224.0, 448.0, 2 * 57344.0]))
+    >>> saturation(previous, current).tolist()  # scales 1: x in range, W at its top, g saturated
+    [0.5, 1.0, 2.0]
+  """
+  limits = jnp.stack([history_scale(previous[row], fmt) * quantize.MAX_VALUE[jnp.dtype(fmt)]
+                      for row, fmt in enumerate(formats)])
+  return current[:, 0] / limits
 
 
 # The observed amax of a saturated tensor: its scale's range times this (the scale doubles).

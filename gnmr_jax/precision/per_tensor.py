@@ -122,4 +122,4 @@ def per_tensor_path(activation_dtype, weight_dtype, gradient_dtype, *, scaling: 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FP8_TENSOR = per_tensor_path(E4M3, E4M3, E5M2, scaling='tensor', power_of_two=True)
 INT8_TENSOR = per_tensor_path(jnp.int8, jnp.int8, jnp.int8, scaling='tensor', power_of_two=False)
-FP8_DELAYED = per_tensor_path(E4M3, E4M3, E5M2, scaling='delayed')
+FP8_DELAYED = per_tensor_path(*delayed_scaling.FORMATS, scaling='delayed')

@@ -1,0 +1,289 @@
+"""Issue 47: delayed-scaling fp8's saturation aftermath (regime R1): does a runtime controller
+beat static where the low-cost path's risk is transient and local?
+
+  python experiments/delayed_regime.py --part measure              # saturation rates, 1 seed
+  python experiments/delayed_regime.py --seeds 5                   # the arms; resumes
+  python experiments/delayed_regime.py --report                    # only writes REPORT.md
+
+One JSON per (regime, arm, seed) under experiments/results/delayed_regime/<regime>/<arm>/
+seed<k>.json, skipped when it exists (a sweep longer than a session resumes). The model is the
+NVFP4 regime's shape (experiments/noise_fraction.py 'wsd8': the scenario CPU model at 8 layers,
+d 128, 56 projection units, 400 steps, warmup-stable-decay, lr 3e-3), fp8 everywhere (x, W:
+e4m3; output gradients: e5m2) with delayed per-tensor scaling (precision.scaling='delayed':
+power-of-two scales from each unit's amax history, as Transformer Engine) as the low-cost path
+and bf16 as the recovery path. A unit saturates when a tensor's amax outgrows its scale's range
+(its power-of-two headroom past the history's amax): its codes clip at the format's largest
+value for the steps until the history catches up (the observed amax doubles a step), at that
+unit only (model.amax_saturation_units; logged per unit and step as ``saturation``).
+
+Whether the gradient norms see the events (the paper's premise) is read from the 'delayed' arm's
+log, where the paper's controller measures without acting: at each event's first step, whether
+the unit's GNMR or delta-GNMR passed the paper's thresholds (alpha 2 / beta 1.5) or the alarm's
+(4 / 3).
+
+Regimes (``--part measure`` reports each one's saturation rate first):
+  'h16'  history 16 steps (the recipe's default)
+  'h1'   history 1 step ('most_recent'): the scale follows the last step, so every step
+         whose amax outgrows the last one's power-of-two range saturates
+Arms: 'bf16' (static bf16), 'row' (static fp8 with per-row current scales: the precise recipe),
+'delayed' (static fp8 delayed: no recovery), 'alarm' (routed, the library's default transient
+alarm: the paper's rule at alpha 4 / beta 3 / t_lock 2, plus its edge rule that a saturated unit
+is risky), 'paper' (routed, the paper's thresholds alpha 2 / beta 1.5 / delta 8 / t_lock 5, the
+same edge rule), 'saturation' (routed, priority 'saturation': the saturated units alone, t_lock
+1), 'hindsight' (a static set at the same budget chosen in hindsight: the max_o units that
+saturated most often in 'delayed' seed 0 of the regime, on bf16 for the whole run),
+'last_blocks' (NVIDIA's static recipe: the last layer's 7 units on bf16 for the whole run, 12.5%
+of unit-steps), 'delayed_perturb' (delayed with the initial params times (1 + 1e-7 z): the noise floor of
+a seed). Every routed arm: max_o 4 of 56 units (7%), warmup 20.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "configs"))
+
+from experiments import common  # noqa: E402  pylint: disable=g-import-not-at-top
+from experiments import noise_fraction  # noqa: E402  pylint: disable=g-import-not-at-top
+from experiments import scenario1_saved_activation as scenario1  # noqa: E402  pylint: disable=g-import-not-at-top
+from experiments import selection_report  # noqa: E402  pylint: disable=g-import-not-at-top
+
+SCENARIO = "delayed_regime"
+RESULTS = os.path.join(common.RESULTS_DIR, SCENARIO)
+REPORT = os.path.join(RESULTS, "REPORT.md")
+REGIMES = {"h16": 16, "h1": 1}
+ARMS = ("bf16", "row", "delayed", "delayed_perturb", "alarm", "paper", "saturation",
+        "hindsight", "last_blocks")
+ROUTED = ("alarm", "paper", "saturation")
+MAX_O = 4
+SATURATION_T_LOCK = 1
+
+
+def base_config(regime: str):
+  if regime not in REGIMES:
+    raise SystemExit(f"unknown regime {regime!r}; valid: {list(REGIMES)}")
+  config = scenario1.base("cpu")
+  config.model.num_layers = noise_fraction.WSD8["layers"]
+  config.train.steps, config.train.eval_every = noise_fraction.WSD8["steps"], 100
+  config.optimizer.update(schedule="wsd", decay_fraction=noise_fraction.WSD8["decay_fraction"])
+  config.precision.update(mode="static", low_cost_path="fp8", recovery_path="bf16",
+                          scaling="delayed", amax_history_length=REGIMES[regime])
+  config.gnmr.max_o = MAX_O
+  config.logging.unit_log_every = 1  # every step's mask and saturation: the event analysis
+  config.logging.log_every = 10
+  return config
+
+
+def arm_config(regime: str, arm: str, seed: int):
+  if arm not in ARMS:
+    raise SystemExit(f"unknown arm {arm!r}; valid: {list(ARMS)}")
+  config = base_config(regime)
+  if arm.endswith("_perturb"):
+    config.train.init_perturbation = noise_fraction.PERTURBATION
+  name = arm.removesuffix("_perturb")
+  if name == "bf16":
+    config.precision.update(low_cost_path="bf16", scaling="row")
+  elif name == "row":
+    config.precision.scaling = "row"
+  elif name in ROUTED:
+    config.precision.mode = "gnmr"
+    if name == "alarm":
+      config.gnmr.update(common.ALARM_PRIORITY)
+    elif name == "saturation":
+      config.gnmr.update(priority="saturation", t_lock=SATURATION_T_LOCK)
+    # 'paper' and 'norms': scenario1's pinned paper controller (common.EXPERIMENT_CONTROLLER)
+  elif name == "hindsight":
+    config.precision.mode = "gnmr"
+    config.gnmr.update(priority="fixed", fixed_units=hindsight_units(regime))
+  elif name == "last_blocks":
+    config.precision.mode = "gnmr"
+    config.gnmr.update(priority="last_blocks", last_blocks=1, max_o=7)
+  config.train.seed = config.data.seed = seed
+  return config
+
+
+def hindsight_units(regime: str) -> str:
+  """A regex of the MAX_O units with the most saturated steps in 'delayed' seed 0 (run first)."""
+  from gnmr_jax import metrics_log  # pylint: disable=g-import-not-at-top
+  workdir = common.run_dir(SCENARIO, regime, "delayed", 0)
+  path = os.path.join(workdir, metrics_log.UNIT_NAMES_FILE)
+  if not os.path.exists(path):
+    run_one(regime, "delayed", 0)
+  with open(path, encoding="utf-8") as f:
+    names = json.load(f)
+  counts = (np.array([r["saturation"] for r in metrics_rows(workdir)]) > 1).sum(axis=0)
+  top = [names[i] for i in np.argsort(-counts, kind="stable")[:MAX_O]]
+  return "^(" + "|".join(re.escape(n) for n in top) + ")$"
+
+
+def result_path(regime, arm, seed):
+  return os.path.join(RESULTS, regime, arm, f"seed{seed}.json")
+
+
+def event_stats(workdir: str) -> dict:
+  """Saturation events of a run's units log (one row a step): per unit, maximal runs of
+  consecutive saturated steps; how many the mask used covered at the next step (within 1) or
+  at one of the next two (within 2); recovered unit-steps."""
+  rows = metrics_rows(workdir)
+  if not rows or "saturation" not in rows[0]:
+    return {}
+  sat = np.array([r["saturation"] for r in rows]) > 1          # [steps, units]
+  mask = np.array([r["mask"] for r in rows], bool)              # the mask each step ran
+  steps, units = sat.shape
+  events = []  # (unit, first step index, length)
+  for u in range(units):
+    t = 0
+    while t < steps:
+      if sat[t, u]:
+        start = t
+        while t < steps and sat[t, u]:
+          t += 1
+        events.append((u, start, t - start))
+      t += 1
+  within = lambda e, k: bool(np.any(mask[e[1] + 1:e[1] + 1 + k, e[0]]))
+  gnmr, delta = (np.array([r[k] for r in rows]) for k in ("gnmr", "delta_gnmr"))
+  norm_alarm = lambda e, alpha, beta: bool(gnmr[e[1], e[0]] > alpha or delta[e[1], e[0]] > beta)
+  long_events = [e for e in events if e[2] >= 2]
+  return {"unit_steps": int(steps * units), "saturated_unit_steps": int(sat.sum()),
+          "events": len(events), "events_2plus": len(long_events),
+          "units_with_events": int(len({e[0] for e in events})),
+          "events_after_step_50": sum(1 for e in events if rows[e[1]]["step"] > 50),
+          "covered_1": sum(within(e, 1) for e in events),
+          "covered_2": sum(within(e, 2) for e in events),
+          "covered_2plus_at_next": sum(within(e, 1) for e in long_events),
+          "norm_alarm_paper": sum(norm_alarm(e, 2.0, 1.5) for e in events),
+          "norm_alarm_default": sum(norm_alarm(e, 4.0, 3.0) for e in events),
+          "recovered_unit_steps": int(mask.sum()),
+          "mean_train_loss": float(np.mean([r["loss"] for r in train_rows(workdir)]))}
+
+
+def metrics_rows(workdir):
+  from gnmr_jax import metrics_log  # pylint: disable=g-import-not-at-top
+  return metrics_log.read_jsonl(os.path.join(workdir, metrics_log.UNITS_FILE))
+
+
+def train_rows(workdir):
+  from gnmr_jax import metrics_log  # pylint: disable=g-import-not-at-top
+  return metrics_log.read_jsonl(os.path.join(workdir, metrics_log.METRICS_FILE))
+
+
+def run_one(regime, arm, seed):
+  path = result_path(regime, arm, seed)
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  out = common.trained_json(path + ".partial", SCENARIO, regime, arm, seed,
+                            arm_config(regime, arm, seed))
+  out.update(event_stats(common.run_dir(SCENARIO, regime, arm, seed)))
+  common.write_json(path, out)
+  os.remove(path + ".partial")
+  return out
+
+
+def load(regime):
+  return common.load_runs(os.path.join(RESULTS, regime), ARMS)
+
+
+def measure_table(seed: int = 0) -> list:
+  lines = ["| regime | amax history | saturated unit-steps per 1000 | events | events >= 2 steps "
+           "| units with events (of 56) | events after step 50 |", "|---|---|---|---|---|---|---|"]
+  for regime, length in REGIMES.items():
+    row = load(regime).get("delayed", {}).get(seed)
+    if row is None or "events" not in row:
+      lines.append(f"| {regime} | {length} | not run | - | - | - | - |")
+      continue
+    lines.append(f"| {regime} | {length} | {1000 * row['saturated_unit_steps'] / row['unit_steps']:.2f} "
+                 f"| {row['events']} | {row['events_2plus']} | {row['units_with_events']} "
+                 f"| {row['events_after_step_50']} |")
+  return lines
+
+
+def arms_table() -> list:
+  lines = ["| regime | arm | seeds | final eval loss (mean) | loss - delayed, paired (mean +- SE) "
+           "| loss - bf16, paired | noise floor: max abs(delayed_perturb - delayed) "
+           "| recovered unit-steps % | saturated per 1000 unit-steps | events covered within 1 / 2 "
+           "steps | events >= 2 steps covered at the next step |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for regime in REGIMES:
+    results = load(regime)
+    base, bf16 = results.get("delayed", {}), results.get("bf16", {})
+    floor = [abs(results["delayed_perturb"][k]["eval_loss"] - base[k]["eval_loss"])
+             for k in set(results.get("delayed_perturb", {})) & set(base)]
+    for arm in ARMS:
+      rows = results.get(arm, {})
+      if not rows:
+        lines.append(f"| {regime} | {arm} | 0 | not run |" + " - |" * 7)
+        continue
+
+      def paired(ref):
+        if arm == "delayed" and ref is base or not ref:
+          return "-"
+        d, se, n = selection_report.paired(rows.values(), ref.values())
+        return f"{d:+.4f} +- {se:.4f} (n={n})" if n >= 2 else "-"
+
+      def total(key):
+        return sum(r.get(key, 0) for r in rows.values())
+
+      unit_steps = total("unit_steps")
+      events = total("events")
+      lines.append(
+          f"| {regime} | {arm} | {len(rows)} | "
+          f"{np.mean([r['eval_loss'] for r in rows.values()]):.4f} | {paired(base)} | "
+          f"{paired(bf16) if arm != 'bf16' else '-'} | "
+          f"{f'{max(floor):.4f}' if floor else '-'} | "
+          f"{100 * total('recovered_unit_steps') / unit_steps if unit_steps else 0:.2f} | "
+          f"{1000 * total('saturated_unit_steps') / unit_steps if unit_steps else 0:.2f} | "
+          f"{total('covered_1')} / {total('covered_2')} of {events} | "
+          f"{total('covered_2plus_at_next')} of {total('events_2plus')} |")
+  return lines
+
+
+def report() -> str:
+  runs = [r for regime in REGIMES for arm in load(regime).values() for r in arm.values()]
+  dated = sorted({(r["date"], r["device"]) for r in runs})
+  versions = runs[0]["versions"] if runs else common.versions()
+  return "\n".join([
+      "# Delayed-scaling fp8 on the CPU: the saturation aftermath (issue 47, regime R1)", "",
+      "Generated by `python experiments/delayed_regime.py --report` (never edited by hand); the "
+      "setting is in the script's docstring. XLA:CPU runs the fp8 GEMMs as float32 products of "
+      "the fp8 codes: the numerics of the recipes, not their speed.", "",
+      f"Runs: {', '.join(f'{d} on {dev}' for d, dev in dated) or 'none yet'}; "
+      f"versions {versions}.", "", "## Saturation rates (arm 'delayed', seed 0)", ""]
+      + measure_table() + ["", "## Arms", ""] + arms_table()) + "\n"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--part", choices=("measure", "arms"), default="arms")
+  parser.add_argument("--seeds", type=int, default=5)
+  parser.add_argument("--regimes", default=",".join(REGIMES))
+  parser.add_argument("--arms", default=",".join(ARMS))
+  parser.add_argument("--report", action="store_true", help="only (re)write the report")
+  args = parser.parse_args(argv)
+  if not args.report:
+    common.enable_compilation_cache()
+    regimes = args.regimes.split(",")
+    if args.part == "measure":
+      for regime in regimes:
+        run_one(regime, "delayed", 0)
+    else:
+      for seed in range(args.seeds):
+        for regime in regimes:
+          for arm in args.arms.split(","):
+            run_one(regime, arm, seed)
+  os.makedirs(RESULTS, exist_ok=True)
+  with open(REPORT, "w", encoding="utf-8") as f:
+    f.write(report())
+  print(report())
+
+
+if __name__ == "__main__":
+  main()
