@@ -210,8 +210,8 @@ def arms_table() -> list:
   lines = ["| regime | arm | seeds | final eval loss (mean) | loss - delayed, paired (mean +- SE) "
            "| loss - bf16, paired | noise floor: max abs(delayed_perturb - delayed) "
            "| recovered unit-steps % | saturated per 1000 unit-steps | events covered within 1 / 2 "
-           "steps | events >= 2 steps covered at the next step |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "steps | events >= 2 steps covered at the next step | H100 1b step / bf16 (model) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for regime in REGIMES:
     results = load(regime)
     base, bf16 = results.get("delayed", {}), results.get("bf16", {})
@@ -220,7 +220,7 @@ def arms_table() -> list:
     for arm in ARMS:
       rows = results.get(arm, {})
       if not rows:
-        lines.append(f"| {regime} | {arm} | 0 | not run |" + " - |" * 7)
+        lines.append(f"| {regime} | {arm} | 0 | not run |" + " - |" * 8)
         continue
 
       def paired(ref):
@@ -242,8 +242,37 @@ def arms_table() -> list:
           f"{100 * total('recovered_unit_steps') / unit_steps if unit_steps else 0:.2f} | "
           f"{1000 * total('saturated_unit_steps') / unit_steps if unit_steps else 0:.2f} | "
           f"{total('covered_1')} / {total('covered_2')} of {events} | "
-          f"{total('covered_2plus_at_next')} of {total('events_2plus')} |")
+          f"{total('covered_2plus_at_next')} of {total('events_2plus')} | "
+          f"{arm_price(arm, total('recovered_unit_steps') / unit_steps if unit_steps else 0):.3f} |")
   return lines
+
+
+# The arms' programs at scale: benchmarks/results/step_time cells compiled deviceless for an
+# H100 (llama:1b, 256 x 256 tokens, attention 'auto'; BENCHMARKS.md "Scaling recipes"), priced
+# by the step-time model (gnmr_jax.aot.step_time.price, the pure roofline as that table's) with
+# each routed arm's measured share of recovered unit-steps taking the recovery branch.
+PRICE_TARGET, PRICE_CONFIG = "h100", "llama-1b"
+PRICE_CELLS = {"bf16": "bf16__static__attentionauto", "row": "fp8__static__attentionauto",
+               "delayed": "fp8__static__attentionauto__scalingdelayed",
+               "routed": "fp8__gnmr__attentionauto__scalingdelayed"}
+
+
+def _cell_kernels(kind: str):
+  path = os.path.join(ROOT, "benchmarks", "results", "step_time",
+                      f"projection__{PRICE_TARGET}__{PRICE_CONFIG}__{PRICE_CELLS[kind]}.json")
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)["kernels"]
+
+
+def arm_price(arm: str, recovered_share: float) -> float:
+  """The step-time model's H100 llama:1b step of the arm's program, over bf16's."""
+  from gnmr_jax.aot import device_specs, step_time  # pylint: disable=g-import-not-at-top
+  spec = device_specs.get_spec(PRICE_TARGET)
+  name = arm.removesuffix("_perturb")
+  kind = name if name in ("bf16", "row", "delayed") else "routed"
+  share = recovered_share if kind == "routed" else 0.0
+  seconds = step_time.price(_cell_kernels(kind), spec, share).total_s
+  return seconds / step_time.price(_cell_kernels("bf16"), spec).total_s
 
 
 def report() -> str:

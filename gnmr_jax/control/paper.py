@@ -28,9 +28,9 @@ Edge rules (this project's reading of the paper):
   * alpha and beta may be optax schedules; they are evaluated at the number of
     updates done before this one (0 on the first update), like optax schedules.
   * ``update(..., overflow=tree)`` (a params-shaped bool tree, per unit): units whose
-    low-cost path overflowed this step (delayed scaling: an amax past the unit's history
-    saturated its codes; ``gnmr_jax.model.amax_overflow_units``) are risky too, with a score of
-    at least 1 (a threshold's worth), so they compete for the budget like an alarm.
+    low-cost path overflowed this step (delayed scaling: an amax past its scale's range
+    saturated its codes; ``gnmr_jax.model.amax_saturation_units`` > 1) are risky too, with a
+    score of at least 1 (a threshold's worth), so they compete for the budget like an alarm.
 
 The transform passes updates through unchanged, so it chains anywhere; put it
 first so that it sees the raw gradients.
