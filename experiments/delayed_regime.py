@@ -25,7 +25,8 @@ Regimes (``--part measure`` reports each one's saturation rate first):
   'h16'  history 16 steps (the recipe's default)
   'h1'   history 1 step ('most_recent'): the scale follows the last step, so every step
          whose amax outgrows the last one's power-of-two range saturates
-Arms: 'bf16' (static bf16), 'row' (static fp8 with per-row current scales: the precise recipe),
+Arms: 'bf16' (static bf16), 'row' (static fp8 with per-row current scales: the precise recipe;
+its log measures what the default alarm would recover where nothing saturates),
 'delayed' (static fp8 delayed: no recovery), 'alarm' (routed, the library's default transient
 alarm: the paper's rule at alpha 4 / beta 3 / t_lock 2, plus its edge rule that a saturated unit
 is risky), 'paper' (routed, the paper's thresholds alpha 2 / beta 1.5 / delta 8 / t_lock 5, the
@@ -91,8 +92,12 @@ def arm_config(regime: str, arm: str, seed: int):
   name = arm.removesuffix("_perturb")
   if name == "bf16":
     config.precision.update(low_cost_path="bf16", scaling="row")
+    config.logging.unit_log_every = 0
   elif name == "row":
+    # Nothing saturates with current scales: the default alarm measures (static: telemetry
+    # only) what it would recover where there is nothing to catch.
     config.precision.scaling = "row"
+    config.gnmr.update(common.ALARM_PRIORITY)
   elif name in ROUTED:
     config.precision.mode = "gnmr"
     if name == "alarm":
@@ -133,10 +138,12 @@ def event_stats(workdir: str) -> dict:
   consecutive saturated steps; how many the mask used covered at the next step (within 1) or
   at one of the next two (within 2); recovered unit-steps."""
   rows = metrics_rows(workdir)
-  if not rows or "saturation" not in rows[0]:
+  if not rows:
     return {}
+  mask = np.array([r["mask"] for r in rows], bool)  # the mask each step ran (static: would)
+  if "saturation" not in rows[0]:
+    return {"unit_steps": int(mask.size), "recovered_unit_steps": int(mask.sum())}
   sat = np.array([r["saturation"] for r in rows]) > 1          # [steps, units]
-  mask = np.array([r["mask"] for r in rows], bool)              # the mask each step ran
   steps, units = sat.shape
   events = []  # (unit, first step index, length)
   for u in range(units):
@@ -161,8 +168,7 @@ def event_stats(workdir: str) -> dict:
           "covered_2plus_at_next": sum(within(e, 1) for e in long_events),
           "norm_alarm_paper": sum(norm_alarm(e, 2.0, 1.5) for e in events),
           "norm_alarm_default": sum(norm_alarm(e, 4.0, 3.0) for e in events),
-          "recovered_unit_steps": int(mask.sum()),
-          "mean_train_loss": float(np.mean([r["loss"] for r in train_rows(workdir)]))}
+          "recovered_unit_steps": int(mask.sum())}
 
 
 def metrics_rows(workdir):
@@ -182,7 +188,9 @@ def run_one(regime, arm, seed):
       return json.load(f)
   out = common.trained_json(path + ".partial", SCENARIO, regime, arm, seed,
                             arm_config(regime, arm, seed))
-  out.update(event_stats(common.run_dir(SCENARIO, regime, arm, seed)))
+  workdir = common.run_dir(SCENARIO, regime, arm, seed)
+  out["mean_train_loss"] = float(np.mean([r["loss"] for r in train_rows(workdir)]))
+  out.update(event_stats(workdir))
   common.write_json(path, out)
   os.remove(path + ".partial")
   return out
@@ -206,44 +214,58 @@ def measure_table(seed: int = 0) -> list:
   return lines
 
 
+def _paired(rows, ref, key="eval_loss") -> str:
+  if not ref or rows is ref:
+    return "-"
+  d, se, n = selection_report.paired(rows.values(), ref.values(), key)
+  return f"{d:+.4f} +- {se:.4f} (n={n})" if n >= 2 else (f"{d:+.4f} (n=1)" if n else "-")
+
+
+def _floor(results, key) -> str:
+  base, perturbed = results.get("delayed", {}), results.get("delayed_perturb", {})
+  gaps = [abs(perturbed[k][key] - base[k][key]) for k in set(base) & set(perturbed)]
+  return f"{max(gaps):.4f}" if gaps else "-"
+
+
 def arms_table() -> list:
-  lines = ["| regime | arm | seeds | final eval loss (mean) | loss - delayed, paired (mean +- SE) "
-           "| loss - bf16, paired | noise floor: max abs(delayed_perturb - delayed) "
-           "| recovered unit-steps % | saturated per 1000 unit-steps | events covered within 1 / 2 "
-           "steps | events >= 2 steps covered at the next step | H100 1b step / bf16 (model) |",
+  lines = []
+  header = ["| regime | arm | seeds | final eval loss (mean) | final - delayed, paired (mean +- SE) "
+           "| final - bf16, paired | mean train loss - bf16, paired | recovered unit-steps % "
+           "| saturated per 1000 unit-steps | events covered at t+1 / by t+2 "
+           "| events of >= 2 steps covered at t+1 | H100 1b step / bf16 (model) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for regime in REGIMES:
+    lines += header
     results = load(regime)
     base, bf16 = results.get("delayed", {}), results.get("bf16", {})
-    floor = [abs(results["delayed_perturb"][k]["eval_loss"] - base[k]["eval_loss"])
-             for k in set(results.get("delayed_perturb", {})) & set(base)]
     for arm in ARMS:
       rows = results.get(arm, {})
       if not rows:
         lines.append(f"| {regime} | {arm} | 0 | not run |" + " - |" * 8)
         continue
 
-      def paired(ref):
-        if arm == "delayed" and ref is base or not ref:
-          return "-"
-        d, se, n = selection_report.paired(rows.values(), ref.values())
-        return f"{d:+.4f} +- {se:.4f} (n={n})" if n >= 2 else "-"
-
       def total(key):
         return sum(r.get(key, 0) for r in rows.values())
 
-      unit_steps = total("unit_steps")
-      events = total("events")
+      unit_steps, events = total("unit_steps"), total("events")
+      share = total("recovered_unit_steps") / unit_steps if unit_steps else 0.0
+      static = arm_config(regime, arm, 0).precision.mode == "static"
       lines.append(
           f"| {regime} | {arm} | {len(rows)} | "
-          f"{np.mean([r['eval_loss'] for r in rows.values()]):.4f} | {paired(base)} | "
-          f"{paired(bf16) if arm != 'bf16' else '-'} | "
-          f"{f'{max(floor):.4f}' if floor else '-'} | "
-          f"{100 * total('recovered_unit_steps') / unit_steps if unit_steps else 0:.2f} | "
-          f"{1000 * total('saturated_unit_steps') / unit_steps if unit_steps else 0:.2f} | "
-          f"{total('covered_1')} / {total('covered_2')} of {events} | "
-          f"{total('covered_2plus_at_next')} of {total('events_2plus')} | "
-          f"{arm_price(arm, total('recovered_unit_steps') / unit_steps if unit_steps else 0):.3f} |")
+          f"{np.mean([r['eval_loss'] for r in rows.values()]):.4f} | {_paired(rows, base)} | "
+          f"{_paired(rows, bf16)} | {_paired(rows, bf16, 'mean_train_loss')} | "
+          + (f"{100 * share:.2f}{' (would, telemetry)' if static else ''} | " if unit_steps
+             else "- | ")
+          + (f"{1000 * total('saturated_unit_steps') / unit_steps:.2f} | "
+             f"{total('covered_1')} / {total('covered_2')} of {events} | "
+             f"{total('covered_2plus_at_next')} of {total('events_2plus')} | " if events or (
+                 unit_steps and "events" in next(iter(rows.values()))) else "- | - | - | ")
+          + f"{arm_price(arm, 0.0 if static else share):.3f} |")
+    lines.append("")
+    lines.append(f"Noise floor of a seed ({regime}): max abs(delayed_perturb - delayed) "
+                 f"{_floor(results, 'eval_loss')} (final eval loss), "
+                 f"{_floor(results, 'mean_train_loss')} (mean train loss).")
+    lines.append("")
   return lines
 
 
@@ -275,6 +297,56 @@ def arm_price(arm: str, recovered_share: float) -> float:
   return seconds / step_time.price(_cell_kernels("bf16"), spec).total_s
 
 
+RUNTIME = ("alarm", "paper", "saturation")
+STATIC_AT_BUDGET = ("hindsight", "delayed")  # the budget's static choices (delayed: none)
+
+
+def answer(regime: str) -> list:
+  """The generated answer for a regime: each runtime arm against the best static arm at the
+  same budget (lowest mean final loss of STATIC_AT_BUDGET), paired by seed; and why, from the
+  events ('delayed' arm)."""
+  results = load(regime)
+  statics = {a: results[a] for a in STATIC_AT_BUDGET if results.get(a)}
+  if not statics or not any(results.get(a) for a in RUNTIME):
+    return [f"{regime}: not enough runs for an answer yet."]
+  best = min(statics, key=lambda a: np.mean([r["eval_loss"] for r in statics[a].values()]))
+  lines = [f"{regime}: best static arm at the budget: '{best}'."]
+  for arm in RUNTIME:
+    if not results.get(arm):
+      continue
+    d, se, n = selection_report.paired(results[arm].values(), statics[best].values())
+    verdict = ("beats it by more than 2 SE" if n >= 2 and d < -2 * se else
+               "is worse by more than 2 SE" if n >= 2 and d > 2 * se else
+               "does not differ by more than 2 SE")
+    lines.append(f"- '{arm}' minus '{best}': {d:+.4f} +- {se:.4f} nats (n={n}): {verdict}.")
+  delayed = list(results.get("delayed", {}).values())
+  if delayed and "events" in delayed[0]:
+    events = sum(r["events"] for r in delayed)
+    long = sum(r["events_2plus"] for r in delayed)
+    steps = sum(r["unit_steps"] for r in delayed)
+    lines.append(
+        f"- Why (arm 'delayed', {len(delayed)} seeds): {events} saturation events, "
+        f"{1000 * events / steps:.1f} per 1000 unit-steps; {100 * (1 - long / events):.1f}% of "
+        f"them last one step (the observed amax doubles and the next scale holds it), so a mask "
+        f"acting at t + 1 reaches only the {long} events of >= 2 steps; the gradient norms "
+        f"alarm at an event's own step for "
+        f"{100 * sum(r['norm_alarm_paper'] for r in delayed) / events:.1f}% of them at the "
+        f"paper's thresholds and {100 * sum(r['norm_alarm_default'] for r in delayed) / events:.1f}"
+        f"% at the default alarm's.")
+  return lines
+
+
+def section() -> str:
+  """The RESULTS.md section (experiments/report.py), from the JSONs."""
+  lines = ["## Delayed-scaling regime (issue 47)", "",
+           "Generated by `experiments/delayed_regime.py` from experiments/results/delayed_regime/ "
+           "(setting: the script's docstring; every table: "
+           "experiments/results/delayed_regime/REPORT.md).", ""]
+  for regime in REGIMES:
+    lines += answer(regime) + [""]
+  return "\n".join(lines).rstrip() + "\n"
+
+
 def report() -> str:
   runs = [r for regime in REGIMES for arm in load(regime).values() for r in arm.values()]
   dated = sorted({(r["date"], r["device"]) for r in runs})
@@ -286,7 +358,8 @@ def report() -> str:
       "the fp8 codes: the numerics of the recipes, not their speed.", "",
       f"Runs: {', '.join(f'{d} on {dev}' for d, dev in dated) or 'none yet'}; "
       f"versions {versions}.", "", "## Saturation rates (arm 'delayed', seed 0)", ""]
-      + measure_table() + ["", "## Arms", ""] + arms_table()) + "\n"
+      + measure_table() + ["", "## Answer", ""] + [l for r in REGIMES for l in answer(r) + [""]]
+      + ["## Arms", ""] + arms_table()) + "\n"
 
 
 def main(argv=None):

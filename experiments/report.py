@@ -476,6 +476,8 @@ def main(argv=None):
   parts.append(selection_report.section())
   from experiments import noise_fraction  # pylint: disable=g-import-not-at-top
   parts.append(noise_fraction.section())
+  from experiments import delayed_regime  # pylint: disable=g-import-not-at-top
+  parts.append(delayed_regime.section())
   text = "\n\n".join(parts).rstrip() + "\n"
   with open(REPORT, "w", encoding="utf-8") as f:
     f.write(text)

@@ -296,3 +296,75 @@ def test_noise_fraction_gpu_regime_is_wsd8_at_the_60m_size_and_smoke_runs_elsewh
       nf.load('wsd8gpu')
   finally:
     nf.RESULTS = results
+
+
+def _write_rows(path, rows):
+  with open(path, 'w', encoding='utf-8') as f:
+    f.writelines(json.dumps(r) + '\n' for r in rows)
+
+
+def test_delayed_regime_counts_saturation_events_and_their_coverage(tmp_path):
+  from experiments import delayed_regime  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import metrics_log  # pylint: disable=g-import-not-at-top
+  # 3 units, steps 1..5. Unit 0 saturates at steps 3-4 (one event of 2 steps; the mask has it
+  # at step 4: covered at t+1); unit 1 at step 2 (1 step; masked at step 4: covered by t+2
+  # only; its norm ratio passes the paper's alpha 2 there, not the alarm's 4); unit 2 at step 5
+  # (nothing after it: uncovered).
+  sat = {3: [0], 4: [0], 2: [1], 5: [2]}
+  masked = {4: [0, 1]}
+  rows = []
+  for step in range(1, 6):
+    saturation = [2.0 if u in [k for t, us in sat.items() if t == step for k in us] else 0.5
+                  for u in range(3)]
+    rows.append({'step': step, 'mask': [int(u in masked.get(step, [])) for u in range(3)],
+                 'saturation': saturation, 'gnmr': [3.0 if (step, u) == (2, 1) else 1.0
+                                                    for u in range(3)],
+                 'delta_gnmr': [1.0, 1.0, 1.0]})
+  _write_rows(os.path.join(tmp_path, metrics_log.UNITS_FILE), rows)
+  stats = delayed_regime.event_stats(str(tmp_path))
+  assert stats == {'unit_steps': 15, 'saturated_unit_steps': 4, 'events': 3, 'events_2plus': 1,
+                   'units_with_events': 3, 'events_after_step_50': 0, 'covered_1': 1,
+                   'covered_2': 2, 'covered_2plus_at_next': 1, 'norm_alarm_paper': 1,
+                   'norm_alarm_default': 0, 'recovered_unit_steps': 2}
+
+
+def test_delayed_regime_answer_compares_runtime_arms_with_the_best_static_arm_paired(
+    tmp_path, monkeypatch):
+  from experiments import delayed_regime  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(delayed_regime, 'RESULTS', str(tmp_path))
+  losses = {'delayed': [2.00, 2.10, 2.05], 'hindsight': [1.99, 2.09, 2.04],
+            'saturation': [1.97, 2.06, 2.02], 'alarm': [1.995, 2.095, 2.035]}
+  for arm, values in losses.items():
+    for seed, loss in enumerate(values):
+      row = {'seed': seed, 'eval_loss': loss}
+      if arm == 'delayed':
+        row.update(events=10, events_2plus=1, unit_steps=1000, norm_alarm_paper=2,
+                   norm_alarm_default=1)
+      os.makedirs(tmp_path / 'h16' / arm, exist_ok=True)
+      common.write_json(str(tmp_path / 'h16' / arm / f'seed{seed}.json'), row)
+  lines = delayed_regime.answer('h16')
+  assert lines[0] == "h16: best static arm at the budget: 'hindsight'."
+  # saturation - hindsight: -0.02, -0.03, -0.02 -> mean -0.0233, SE 0.0033: beats it
+  assert "'saturation' minus 'hindsight': -0.0233 +- 0.0033 nats (n=3): beats it" in lines[2]
+  # alarm - hindsight: +0.005, +0.005, -0.005 -> mean +0.0017, SE 0.0033: no difference
+  assert "'alarm' minus 'hindsight': +0.0017 +- 0.0033 nats (n=3): does not differ" in lines[1]
+  assert '30 saturation events, 10.0 per 1000 unit-steps; 90.0% of them last one step' in lines[3]
+  assert delayed_regime.answer('h1') == ['h1: not enough runs for an answer yet.']
+
+
+def test_delayed_regime_arms_validate_and_run_what_they_name(monkeypatch):
+  from experiments import delayed_regime  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(delayed_regime, 'hindsight_units', lambda regime: r'^layers/mlp/down')
+  for regime, length in delayed_regime.REGIMES.items():
+    for arm in delayed_regime.ARMS:
+      config = delayed_regime.arm_config(regime, arm, seed=3)
+      gnmr_jax.config.validate_config(config, 1)
+      assert config.train.seed == config.data.seed == 3
+      low = config.precision
+      assert (low.low_cost_path, low.scaling) == (('bf16', 'row') if arm == 'bf16' else
+                                                  ('fp8', 'row') if arm == 'row' else
+                                                  ('fp8', 'delayed')), arm
+      if low.scaling == 'delayed':
+        assert low.amax_history_length == length
+      assert (low.mode == 'gnmr') == (arm in delayed_regime.ROUTED + ('hindsight', 'last_blocks'))
+  assert delayed_regime.arm_config('h16', 'saturation', 0).gnmr.priority == 'saturation'
