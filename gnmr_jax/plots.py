@@ -1,4 +1,5 @@
-"""Plots of a run directory: loss curves and the recovery heatmap (units x steps), as PNG.
+"""Plots of a run directory: loss curves and the recovery heatmap (units x steps), as PNG;
+with delayed scaling, each unit's saturation beside the recovery mask.
 
 A run directory holds metrics.jsonl, eval.jsonl, units.jsonl, unit_names.json and, when the
 recovery gap is measured, recovery_gap.jsonl as
@@ -13,7 +14,8 @@ Example:
   >>> for step, loss in ((1, 3.0), (2, 2.5)):
   ...   log.train(step, {'loss': loss})
   ...   log.units(step, mask=[step == 2, False], score=[1.5 * step, 0.4],
-  ...             gnmr=[2.0, 0.5], delta_gnmr=[1.0, 1.0], noise_fraction=[0.5, 0.01])
+  ...             gnmr=[2.0, 0.5], delta_gnmr=[1.0, 1.0], noise_fraction=[0.5, 0.01],
+  ...             saturation=[0.5, 2.0 if step == 1 else 0.25])
   >>> log.recovery_gap(2, gap=[0.3, 0.1], rec_norm=[1.0, 2.0], mask_used=[True, False], max_o=1)
   >>> log.close()
   >>> names, steps, mask = recovery_matrix(workdir, 'mask')
@@ -21,8 +23,11 @@ Example:
   (['attn/q[0]', 'attn/q[1]'], [1, 2], [[0.0, 1.0], [0.0, 0.0]])
   >>> recovery_matrix(workdir, 'gap_rel', metrics_log.GAP_FILE)[2].tolist()
   [[0.3], [0.05]]
-  >>> sorted(plot_run(workdir))
-  ['gap_heatmap', 'gap_summary', 'loss', 'noise_heatmap', 'recovery_heatmap', 'score_heatmap']
+  >>> recovery_matrix(workdir, 'saturation')[2].tolist()  # delayed scaling: > 1 saturated
+  [[0.5, 0.5], [2.0, 0.25]]
+  >>> sorted(plot_run(workdir))  # doctest: +NORMALIZE_WHITESPACE
+  ['gap_heatmap', 'gap_summary', 'loss', 'noise_heatmap', 'recovery_heatmap',
+   'saturation_heatmap', 'score_heatmap']
   >>> os.path.getsize(os.path.join(workdir, 'plots', 'recovery_heatmap.png')) > 1000
   True
 """
@@ -140,6 +145,32 @@ def plot_recovery_heatmap(workdir: str, path: str, field: str = "mask",
   return path
 
 
+def plot_saturation_beside_recovery(workdir: str, path: str) -> str:
+  """Delayed scaling: each unit's saturation (amax over its scale's range, above 1 its codes
+  clipped; units.jsonl 'saturation') over the logged steps, beside the recovery mask of the same
+  steps, so a reader sees which saturations the mask covered. Returns ``path``."""
+  names, steps, mask = recovery_matrix(workdir, "mask")
+  _, _, saturation = recovery_matrix(workdir, "saturation")
+  fig = _figure((13, max(3, 0.12 * len(names) + 1)))
+  axes = fig.subplots(1, 2, sharey=True)
+  if mask.size:
+    extent = (steps[0], steps[-1], len(names) - 0.5, -0.5)
+    im = axes[0].imshow(mask, aspect="auto", interpolation="nearest", extent=extent, cmap="Greys")
+    fig.colorbar(im, ax=axes[0], label="recovered")
+    im = axes[1].imshow(np.clip(saturation, 0.0, 2.0), aspect="auto", interpolation="nearest",
+                        extent=extent, cmap="magma", vmin=0.0, vmax=2.0)
+    fig.colorbar(im, ax=axes[1], label="amax / range (> 1: saturated)")
+  axes[0].set_yticks(range(len(names)))
+  axes[0].set_yticklabels([n.replace("layers/", "").replace("/kernel", "") for n in names],
+                          fontsize=5)
+  for ax, title in zip(axes, ("recovery mask", "saturation")):
+    ax.set_xlabel("step")
+    ax.set_title(f"{title} per unit ({os.path.basename(workdir.rstrip('/'))})")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return path
+
+
 def plot_gap_summary(workdir: str, path: str) -> str:
   """Per measured step: the top-max_o share of the recovery gap (concentration) and the share
   of the top-max_o gap that the mask used at that step covers (coverage). Returns ``path``."""
@@ -166,7 +197,8 @@ def plot_run(workdir: str) -> dict:
   and ``logging.unit_log_every > 0``); gap_heatmap.png and gap_summary.png only when
   the recovery gap was measured (``diagnostics.recovery_gap_every > 0``), and then
   noise_heatmap.png, the noise fraction pi_u over training, when units.jsonl logs it (a
-  budgeted priority). See the module docstring for an example.
+  budgeted priority); saturation_heatmap.png (delayed scaling's saturation beside the recovery
+  mask) when units.jsonl logs saturation. See the module docstring for an example.
   """
   out = os.path.join(workdir, "plots")
   os.makedirs(out, exist_ok=True)
@@ -176,6 +208,10 @@ def plot_run(workdir: str) -> dict:
         workdir, os.path.join(out, "recovery_heatmap.png"), "mask")
     paths["score_heatmap"] = plot_recovery_heatmap(
         workdir, os.path.join(out, "score_heatmap.png"), "score")
+    last = metrics_log.read_jsonl(os.path.join(workdir, metrics_log.UNITS_FILE))[-1:]
+    if last and "saturation" in last[0]:  # delayed scaling
+      paths["saturation_heatmap"] = plot_saturation_beside_recovery(
+          workdir, os.path.join(out, "saturation_heatmap.png"))
   gap_file = os.path.join(workdir, metrics_log.GAP_FILE)
   if os.path.exists(gap_file) and os.path.getsize(gap_file):
     paths["gap_heatmap"] = plot_recovery_heatmap(
