@@ -22,9 +22,11 @@ the unit's GNMR or delta-GNMR passed the paper's thresholds (alpha 2 / beta 1.5)
 (4 / 3).
 
 Regimes (``--part measure`` reports each one's saturation rate first):
-  'h16'  history 16 steps (the recipe's default)
-  'h1'   history 1 step ('most_recent'): the scale follows the last step, so every step
-         whose amax outgrows the last one's power-of-two range saturates
+  'h16'     history 16 steps (the recipe's default)
+  'h1'      history 1 step ('most_recent'): the scale follows the last step, so every step
+            whose amax outgrows the last one's power-of-two range saturates
+  'h16gpu'  h16 at the 60m size (d 512, 8 layers; seq 256, batch 64, 1000 steps) for a lent GPU:
+            scripts/gpu_delayed_regime.sh (a dry run on CPU: --smoke)
 Arms: 'bf16' (static bf16), 'row' (static fp8 with per-row current scales: the precise recipe;
 its log measures what the default alarm would recover where nothing saturates),
 'delayed' (static fp8 delayed: no recovery), 'alarm' (routed, the library's default transient
@@ -60,7 +62,10 @@ from experiments import selection_report  # noqa: E402  pylint: disable=g-import
 SCENARIO = "delayed_regime"
 RESULTS = os.path.join(common.RESULTS_DIR, SCENARIO)
 REPORT = os.path.join(RESULTS, "REPORT.md")
-REGIMES = {"h16": 16, "h1": 1}
+REGIMES = {"h16": 16, "h1": 1, "h16gpu": 16}
+GPU_REGIMES = ("h16gpu",)  # scenario1's 'gpu' scale: the 60m model (d 512), seq 256, batch 64
+COMMITTED_RESULTS = RESULTS
+SMOKE = {"on": False}  # --smoke: every config shrunk to seconds (a dry run of the device script)
 ARMS = ("bf16", "row", "delayed", "delayed_perturb", "alarm", "paper", "saturation",
         "hindsight", "last_blocks")
 ROUTED = ("alarm", "paper", "saturation")
@@ -71,9 +76,11 @@ SATURATION_T_LOCK = 1
 def base_config(regime: str):
   if regime not in REGIMES:
     raise SystemExit(f"unknown regime {regime!r}; valid: {list(REGIMES)}")
-  config = scenario1.base("cpu")
+  config = scenario1.base("gpu" if regime in GPU_REGIMES else "cpu")
   config.model.num_layers = noise_fraction.WSD8["layers"]
   config.train.steps, config.train.eval_every = noise_fraction.WSD8["steps"], 100
+  if regime in GPU_REGIMES:
+    config.train.steps, config.train.eval_every = 1000, 250
   config.optimizer.update(schedule="wsd", decay_fraction=noise_fraction.WSD8["decay_fraction"])
   config.precision.update(mode="static", low_cost_path="fp8", recovery_path="bf16",
                           scaling="delayed", amax_history_length=REGIMES[regime])
@@ -112,6 +119,8 @@ def arm_config(regime: str, arm: str, seed: int):
     config.precision.mode = "gnmr"
     config.gnmr.update(priority="last_blocks", last_blocks=1, max_o=7)
   config.train.seed = config.data.seed = seed
+  if SMOKE["on"]:
+    noise_fraction.shrink(config)
   return config
 
 
@@ -189,6 +198,7 @@ def run_one(regime, arm, seed):
   out = common.trained_json(path + ".partial", SCENARIO, regime, arm, seed,
                             arm_config(regime, arm, seed))
   workdir = common.run_dir(SCENARIO, regime, arm, seed)
+  out["smoke"] = SMOKE["on"]
   out["mean_train_loss"] = float(np.mean([r["loss"] for r in train_rows(workdir)]))
   out.update(event_stats(workdir))
   common.write_json(path, out)
@@ -197,7 +207,14 @@ def run_one(regime, arm, seed):
 
 
 def load(regime):
-  return common.load_runs(os.path.join(RESULTS, regime), ARMS)
+  """{arm: {seed: result}} of the JSONs written for ``regime``; a --smoke dry run's is refused
+  (a shrunk model, never a result) unless this is a dry run."""
+  runs = common.load_runs(os.path.join(RESULTS, regime), ARMS)
+  for arm, rows in runs.items():
+    for seed, row in rows.items():
+      if row.get("smoke") and not SMOKE["on"]:
+        raise SystemExit(f"{result_path(regime, arm, seed)} is a --smoke dry run: remove it")
+  return runs
 
 
 def measure_table(seed: int = 0) -> list:
@@ -363,13 +380,36 @@ def report() -> str:
 
 
 def main(argv=None):
+  global RESULTS, REPORT  # pylint: disable=global-statement  (--results moves every reader)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("measure", "arms"), default="arms")
+  parser.add_argument("--part", choices=("measure", "arms", "prepare"), default="arms",
+                      help="prepare: only the token caches of --regimes (under "
+                      "$GNMR_JAX_DATA_DIR; a device without TFDS reads them, carried)")
   parser.add_argument("--seeds", type=int, default=5)
-  parser.add_argument("--regimes", default=",".join(REGIMES))
+  parser.add_argument("--regimes", default="h16,h1")
   parser.add_argument("--arms", default=",".join(ARMS))
   parser.add_argument("--report", action="store_true", help="only (re)write the report")
+  parser.add_argument("--results", default=RESULTS, help="where the JSONs go (default: the "
+                      "committed experiments/results/delayed_regime)")
+  parser.add_argument("--runs", default=common.RUNS_DIR, help="where the run workdirs go")
+  parser.add_argument("--smoke", action="store_true", help="shrink every config to seconds "
+                      "(a dry run; needs --results and --runs outside the committed ones)")
   args = parser.parse_args(argv)
+  inside = lambda path, root: os.path.commonpath([os.path.abspath(path),
+                                                  os.path.abspath(root)]) == os.path.abspath(root)
+  if args.smoke and (inside(args.results, COMMITTED_RESULTS) or
+                     inside(args.runs, common.RUNS_DIR_DEFAULT)):
+    raise SystemExit("--smoke writes no results beside the real ones: give --results and --runs "
+                     "outside experiments/results and experiments/runs")
+  RESULTS, common.RUNS_DIR, SMOKE["on"] = args.results, args.runs, args.smoke
+  REPORT = os.path.join(RESULTS, "REPORT.md")
+  if args.part == "prepare":
+    from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
+    for regime in args.regimes.split(","):
+      data = make_data(arm_config(regime, "delayed", 0).data)
+      print(f"[prepare] {regime}: {data.vocab_size} tokens in the vocabulary, token cache under "
+            f"{os.path.expanduser(data.config.data_dir)}", flush=True)
+    return
   if not args.report:
     common.enable_compilation_cache()
     regimes = args.regimes.split(",")

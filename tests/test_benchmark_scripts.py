@@ -39,7 +39,8 @@ def test_benchmark_script_runs_compile_only(args, expect):
     assert text in stdout, stdout
 
 
-@pytest.mark.parametrize('script', ['gpu_checks.sh', 'gpu_noise_fraction.sh', 'device_env.sh'])
+@pytest.mark.parametrize('script', ['gpu_checks.sh', 'gpu_noise_fraction.sh',
+                                    'gpu_delayed_regime.sh', 'device_env.sh'])
 def test_gpu_scripts_parse(script):
   out = subprocess.run(['bash', '-n', os.path.join(ROOT, 'scripts', script)],
                        capture_output=True, text=True, check=False)

@@ -368,3 +368,32 @@ def test_delayed_regime_arms_validate_and_run_what_they_name(monkeypatch):
         assert low.amax_history_length == length
       assert (low.mode == 'gnmr') == (arm in delayed_regime.ROUTED + ('hindsight', 'last_blocks'))
   assert delayed_regime.arm_config('h16', 'saturation', 0).gnmr.priority == 'saturation'
+
+
+def test_delayed_regime_gpu_regime_is_h16_at_the_60m_size_and_smoke_stays_apart(tmp_path,
+                                                                               monkeypatch):
+  # scripts/gpu_delayed_regime.sh: the h16 arms at the 60m size, 1000 steps; --smoke (the CPU
+  # dry run) shrinks them and never writes beside the committed results; a dry run's JSON among
+  # the results is refused by the report.
+  from experiments import delayed_regime as dr  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(dr, 'hindsight_units', lambda regime: r'^layers/mlp/down/kernel\[[0-3]\]$')
+  for arm in dr.ARMS:
+    config, cpu = dr.arm_config('h16gpu', arm, seed=0), dr.arm_config('h16', arm, seed=0)
+    gnmr_jax.config.validate_config(config, 1)
+    assert (config.model.d_model, config.model.num_layers) == (512, 8), arm
+    assert (config.data.seq_len, config.data.batch_size, config.train.steps) == (256, 64, 1000)
+    assert config.precision.to_dict() == cpu.precision.to_dict(), arm
+    assert config.gnmr.to_dict() == cpu.gnmr.to_dict(), arm
+  monkeypatch.setitem(dr.SMOKE, 'on', True)
+  small = dr.arm_config('h16gpu', 'saturation', seed=0)
+  monkeypatch.setitem(dr.SMOKE, 'on', False)
+  gnmr_jax.config.validate_config(small, 1)
+  assert small.model.d_model == 64 and small.train.steps == 16
+  with pytest.raises(SystemExit, match='--smoke writes no results'):
+    dr.main(['--smoke', '--regimes', 'h16gpu', '--runs', str(tmp_path)])
+  smoke_json = tmp_path / 'h16gpu' / 'delayed' / 'seed0.json'
+  smoke_json.parent.mkdir(parents=True)
+  smoke_json.write_text(json.dumps({'seed': 0, 'eval_loss': 3.5, 'smoke': True}))
+  monkeypatch.setattr(dr, 'RESULTS', str(tmp_path))
+  with pytest.raises(SystemExit, match='is a --smoke dry run'):
+    dr.load('h16gpu')

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Issue 47: the delayed-scaling regime (experiments/delayed_regime.py) at the 60m size (d 512,
+# 8 layers; seq 256, batch 64, 1000 steps, warmup-stable-decay), one seed per arm, on a lent
+# GPU: --regimes h16gpu. By default the arms that decide the issue in one 600 s call: static fp8
+# with delayed scaling (no recovery; its log is the event census and the norm-alarm check),
+# the saturation-reading controller, the paper's rule; a second call with
+# ARMS=bf16,alarm,hindsight,row adds the rest (finished arms are skipped on the same warm
+# machine; an arm cut by its limit ends with SIGTERM's checkpoint and resumes from it).
+#
+# The device image has jax, flax, optax and orbax-checkpoint but neither ml_collections nor
+# TFDS. Once, here, in the repo root:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux2014_x86_64 -d .whl ml_collections==1.1.0
+#   GNMR_JAX_DATA_DIR=$PWD/.gpu_data .venv/bin/python experiments/delayed_regime.py \
+#     --part prepare --regimes h16gpu            # the byte token cache, read without TFDS
+# Then, with the device tool: run(command="bash scripts/gpu_delayed_regime.sh",
+# carry=[".whl", ".gpu_data/gnmr_jax_tokens"], timeout_s=600). Each arm writes
+# $OUT/results/h16gpu/<arm>/seed0.json as it ends, $OUT/runs/<arm>/ its logs. Here: copy the
+# JSONs into experiments/results/delayed_regime/h16gpu/ and run
+# `python experiments/delayed_regime.py --report` and `python experiments/report.py`.
+# $OUT/env.txt records date, device and versions; each JSON records them too.
+# ARMS=a,b,... picks arms; SECONDS_PER_ARM bounds each (default 180). The exit status is 1 if
+# an arm did not finish. SMALL=1 runs the arms shrunk to seconds on CPU (--smoke, in fresh temp
+# dirs unless OUT / RUNS are given): a dry run here first
+# (PATH=.venv/bin:$PATH SMALL=1 bash scripts/gpu_delayed_regime.sh).
+set -u
+if [ "${SMALL:-0}" = 1 ]; then  # never the leftovers of an earlier dry run
+  OUT=${OUT:-$(mktemp -d)} RUNS=${RUNS:-$(mktemp -d)}
+fi
+OUT=${OUT:-/tmp/gpu_delayed_regime}
+RUNS=${RUNS:-/tmp/gpu_delayed_regime_runs}
+mkdir -p "$OUT"
+export GNMR_JAX_DATA_DIR=${GNMR_JAX_DATA_DIR:-$PWD/.gpu_data}
+. "$(dirname "$0")/device_env.sh"  # wheels, PYTHONPATH, $OUT/env.txt
+
+ARMS=${ARMS:-delayed,saturation,paper}
+LIMIT=${SECONDS_PER_ARM:-180}
+EXTRA=(--results "$OUT/results" --runs "$RUNS")
+if [ "${SMALL:-0}" = 1 ]; then
+  EXTRA+=(--smoke)
+fi
+failed=0
+for arm in ${ARMS//,/ }; do
+  echo "== $arm (limit ${LIMIT}s)"
+  timeout -k 30 "$LIMIT" python3 experiments/delayed_regime.py --regimes h16gpu --arms "$arm" \
+    --seeds 1 "${EXTRA[@]}" > "$OUT/$arm.txt" 2>&1
+  status=$?
+  [ "$status" = 0 ] || failed=1
+  echo "   exit $status ; last lines:"
+  tail -3 "$OUT/$arm.txt"
+  mkdir -p "$OUT/runs/$arm"  # the logs (not the checkpoints)
+  cp "$RUNS/delayed_regime/h16gpu/$arm/seed0/"*.json* "$OUT/runs/$arm/" 2>/dev/null
+done
+find "$OUT/results" -name '*.json' 2>/dev/null | sort
+exit "$failed"
