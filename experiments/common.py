@@ -248,6 +248,34 @@ def write_json(path: str, obj) -> None:
   os.replace(path + ".tmp", path)
 
 
+def write_report(path: str, text: str) -> None:
+  """Writes a generated report (a markdown file beside its results) and prints it."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(text)
+  print(text)
+
+
+def add_dry_run_options(parser: argparse.ArgumentParser, results: str) -> None:
+  """--results, --runs and --smoke: where a sweep writes, and a dry run shrunk to seconds that
+  must write elsewhere (check_dry_run)."""
+  parser.add_argument("--results", default=results, help="where the JSONs go (default: the "
+                      f"committed {os.path.relpath(results, ROOT)})")
+  parser.add_argument("--runs", default=RUNS_DIR, help="where the run workdirs go")
+  parser.add_argument("--smoke", action="store_true", help="shrink every config to seconds "
+                      "(a dry run; needs --results and --runs outside the committed ones)")
+
+
+def check_dry_run(args, committed_results: str) -> None:
+  """Refuses a --smoke run that would write beside the committed results or runs."""
+  inside = lambda path, root: os.path.commonpath([os.path.abspath(path),
+                                                  os.path.abspath(root)]) == os.path.abspath(root)
+  if args.smoke and (inside(args.results, committed_results) or
+                     inside(args.runs, RUNS_DIR_DEFAULT)):
+    raise SystemExit("--smoke writes no results beside the real ones: give --results and --runs "
+                     "outside experiments/results and experiments/runs")
+
+
 def versions() -> dict:
   import flax  # pylint: disable=g-import-not-at-top
   return {"python": platform.python_version(), "jax": jax.__version__,

@@ -389,18 +389,9 @@ def main(argv=None):
   parser.add_argument("--regimes", default="h16,h1")
   parser.add_argument("--arms", default=",".join(ARMS))
   parser.add_argument("--report", action="store_true", help="only (re)write the report")
-  parser.add_argument("--results", default=RESULTS, help="where the JSONs go (default: the "
-                      "committed experiments/results/delayed_regime)")
-  parser.add_argument("--runs", default=common.RUNS_DIR, help="where the run workdirs go")
-  parser.add_argument("--smoke", action="store_true", help="shrink every config to seconds "
-                      "(a dry run; needs --results and --runs outside the committed ones)")
+  common.add_dry_run_options(parser, COMMITTED_RESULTS)
   args = parser.parse_args(argv)
-  inside = lambda path, root: os.path.commonpath([os.path.abspath(path),
-                                                  os.path.abspath(root)]) == os.path.abspath(root)
-  if args.smoke and (inside(args.results, COMMITTED_RESULTS) or
-                     inside(args.runs, common.RUNS_DIR_DEFAULT)):
-    raise SystemExit("--smoke writes no results beside the real ones: give --results and --runs "
-                     "outside experiments/results and experiments/runs")
+  common.check_dry_run(args, COMMITTED_RESULTS)
   RESULTS, common.RUNS_DIR, SMOKE["on"] = args.results, args.runs, args.smoke
   REPORT = os.path.join(RESULTS, "REPORT.md")
   if args.part == "prepare":
@@ -421,10 +412,7 @@ def main(argv=None):
         for regime in regimes:
           for arm in args.arms.split(","):
             run_one(regime, arm, seed)
-  os.makedirs(RESULTS, exist_ok=True)
-  with open(REPORT, "w", encoding="utf-8") as f:
-    f.write(report())
-  print(report())
+  common.write_report(REPORT, report())
 
 
 if __name__ == "__main__":

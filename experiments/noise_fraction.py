@@ -537,18 +537,9 @@ def main(argv=None):
   parser.add_argument("--regimes", default="default")
   parser.add_argument("--arms", default=",".join(ARMS))
   parser.add_argument("--seeds", type=int, default=3)
-  parser.add_argument("--results", default=RESULTS, help="where the JSONs go (default: the "
-                      "committed experiments/results/noise_fraction)")
-  parser.add_argument("--runs", default=common.RUNS_DIR, help="where the run workdirs go")
-  parser.add_argument("--smoke", action="store_true", help="shrink every config to seconds "
-                      "(a dry run; needs --results and --runs outside the committed ones)")
+  common.add_dry_run_options(parser, COMMITTED_RESULTS)
   args = parser.parse_args(argv)
-  inside = lambda path, root: os.path.commonpath([os.path.abspath(path),
-                                                  os.path.abspath(root)]) == os.path.abspath(root)
-  if args.smoke and (inside(args.results, COMMITTED_RESULTS) or
-                     inside(args.runs, common.RUNS_DIR_DEFAULT)):
-    raise SystemExit("--smoke writes no results beside the real ones: give --results and --runs "
-                     "outside experiments/results and experiments/runs")
+  common.check_dry_run(args, COMMITTED_RESULTS)
   RESULTS, common.RUNS_DIR, SMOKE["on"] = args.results, args.runs, args.smoke
   if args.part == "prepare":
     from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top

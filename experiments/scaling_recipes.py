@@ -122,10 +122,7 @@ def main(argv=None):
       for seed in range(args.seeds):
         for arm in args.arms.split(","):
           run_one(regime, arm, seed)
-  os.makedirs(RESULTS, exist_ok=True)
-  with open(REPORT, "w", encoding="utf-8") as f:
-    f.write(report())
-  print(report())
+  common.write_report(REPORT, report())
 
 
 if __name__ == "__main__":

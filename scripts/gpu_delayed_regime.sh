@@ -35,21 +35,6 @@ export GNMR_JAX_DATA_DIR=${GNMR_JAX_DATA_DIR:-$PWD/.gpu_data}
 
 ARMS=${ARMS:-delayed,saturation,paper}
 LIMIT=${SECONDS_PER_ARM:-180}
-EXTRA=(--results "$OUT/results" --runs "$RUNS")
-if [ "${SMALL:-0}" = 1 ]; then
-  EXTRA+=(--smoke)
-fi
-failed=0
-for arm in ${ARMS//,/ }; do
-  echo "== $arm (limit ${LIMIT}s)"
-  timeout -k 30 "$LIMIT" python3 experiments/delayed_regime.py --regimes h16gpu --arms "$arm" \
-    --seeds 1 "${EXTRA[@]}" > "$OUT/$arm.txt" 2>&1
-  status=$?
-  [ "$status" = 0 ] || failed=1
-  echo "   exit $status ; last lines:"
-  tail -3 "$OUT/$arm.txt"
-  mkdir -p "$OUT/runs/$arm"  # the logs (not the checkpoints)
-  cp "$RUNS/delayed_regime/h16gpu/$arm/seed0/"*.json* "$OUT/runs/$arm/" 2>/dev/null
-done
-find "$OUT/results" -name '*.json' 2>/dev/null | sort
+. "$(dirname "$0")/device_arms.sh"
+run_arms delayed_regime h16gpu
 exit "$failed"

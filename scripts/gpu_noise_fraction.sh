@@ -40,22 +40,6 @@ export GNMR_JAX_DATA_DIR=${GNMR_JAX_DATA_DIR:-$PWD/.gpu_data}
 
 ARMS=${ARMS:-static_low,late_switch,noise}
 LIMIT=${SECONDS_PER_ARM:-180}
-EXTRA=(--results "$OUT/results" --runs "$RUNS")
-if [ "${SMALL:-0}" = 1 ]; then
-  EXTRA+=(--smoke)
-fi
-failed=0
-for arm in ${ARMS//,/ }; do
-  echo "== $arm (limit ${LIMIT}s)"
-  timeout -k 30 "$LIMIT" python3 experiments/noise_fraction.py --regimes wsd8gpu --arms "$arm" \
-    --seeds 1 "${EXTRA[@]}" > "$OUT/$arm.txt" 2>&1
-  status=$?
-  [ "$status" = 0 ] || failed=1
-  echo "   exit $status ; last lines:"
-  tail -3 "$OUT/$arm.txt"
-  # The run's logs (not its checkpoints, ~0.3 GB at this size): the pre-flight reads static_low's.
-  mkdir -p "$OUT/runs/$arm"
-  cp "$RUNS/noise_fraction/wsd8gpu/$arm/seed0/"*.json* "$OUT/runs/$arm/" 2>/dev/null
-done
-find "$OUT/results" -name '*.json' 2>/dev/null | sort
+. "$(dirname "$0")/device_arms.sh"
+run_arms noise_fraction wsd8gpu
 exit "$failed"

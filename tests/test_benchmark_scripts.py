@@ -40,7 +40,7 @@ def test_benchmark_script_runs_compile_only(args, expect):
 
 
 @pytest.mark.parametrize('script', ['gpu_checks.sh', 'gpu_noise_fraction.sh',
-                                    'gpu_delayed_regime.sh', 'device_env.sh'])
+                                    'gpu_delayed_regime.sh', 'device_env.sh', 'device_arms.sh'])
 def test_gpu_scripts_parse(script):
   out = subprocess.run(['bash', '-n', os.path.join(ROOT, 'scripts', script)],
                        capture_output=True, text=True, check=False)
