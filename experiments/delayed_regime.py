@@ -361,6 +361,8 @@ def section() -> str:
            "experiments/results/delayed_regime/REPORT.md).", ""]
   for regime in REGIMES:
     lines += answer(regime) + [""]
+  lines += ["### Saturation rates (arm 'delayed', seed 0)", ""] + measure_table() + [""]
+  lines += ["### Arms", ""] + arms_table()
   return "\n".join(lines).rstrip() + "\n"
 
 

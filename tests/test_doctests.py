@@ -48,6 +48,7 @@ DOCUMENTED = (
     "gnmr_jax.control.research.gap", "gnmr_jax.control.research.relgap",
     "gnmr_jax.control.research.oracle", "gnmr_jax.control.research.hybrid",
     "gnmr_jax.control.research.random", "gnmr_jax.control.research.noise",
+    "gnmr_jax.control.research.saturation", "gnmr_jax.model.amax_saturation_units",
     "gnmr_jax.control.measure",
     "gnmr_jax.control.UnitLayout", "gnmr_jax.control.UnitValues", "gnmr_jax.control.from_config",
     "gnmr_jax.precision.make_policy", "gnmr_jax.precision.PrecisionPolicy.dot",
