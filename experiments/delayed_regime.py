@@ -2,6 +2,7 @@
 beat static where the low-cost path's risk is transient and local?
 
   python experiments/delayed_regime.py --part measure              # saturation rates, 1 seed
+  python experiments/delayed_regime.py --part rows                 # which tensor saturates
   python experiments/delayed_regime.py --seeds 5                   # the arms; resumes
   python experiments/delayed_regime.py --report                    # only writes REPORT.md
 
@@ -142,6 +143,17 @@ def result_path(regime, arm, seed):
   return os.path.join(RESULTS, regime, arm, f"seed{seed}.json")
 
 
+def event_runs(saturated: np.ndarray) -> list:
+  """[(unit, first step index, length)] of the maximal runs of True down each column of a
+  bool [steps, units] array: the saturation events."""
+  out = []
+  for u in range(saturated.shape[1]):
+    column = np.concatenate([[0], saturated[:, u].astype(int), [0]])
+    starts, ends = np.flatnonzero(np.diff(column) == 1), np.flatnonzero(np.diff(column) == -1)
+    out.extend((u, int(a), int(b - a)) for a, b in zip(starts, ends))
+  return out
+
+
 def event_stats(workdir: str) -> dict:
   """Saturation events of a run's units log (one row a step): per unit, maximal runs of
   consecutive saturated steps; how many the mask used covered at the next step (within 1) or
@@ -154,16 +166,7 @@ def event_stats(workdir: str) -> dict:
     return {"unit_steps": int(mask.size), "recovered_unit_steps": int(mask.sum())}
   sat = np.array([r["saturation"] for r in rows]) > 1          # [steps, units]
   steps, units = sat.shape
-  events = []  # (unit, first step index, length)
-  for u in range(units):
-    t = 0
-    while t < steps:
-      if sat[t, u]:
-        start = t
-        while t < steps and sat[t, u]:
-          t += 1
-        events.append((u, start, t - start))
-      t += 1
+  events = event_runs(sat)
   within = lambda e, k: bool(np.any(mask[e[1] + 1:e[1] + 1 + k, e[0]]))
   gnmr, delta = (np.array([r[k] for r in rows]) for k in ("gnmr", "delta_gnmr"))
   norm_alarm = lambda e, alpha, beta: bool(gnmr[e[1], e[0]] > alpha or delta[e[1], e[0]] > beta)
@@ -215,6 +218,70 @@ def load(regime):
       if row.get("smoke") and not SMOKE["on"]:
         raise SystemExit(f"{result_path(regime, arm, seed)} is a --smoke dry run: remove it")
   return runs
+
+
+ROWS = ("x", "W", "g")
+
+
+def rows_path(regime: str, seed: int) -> str:
+  return os.path.join(RESULTS, regime, f"rows_seed{seed}.json")
+
+
+def row_census(regime: str, seed: int = 0) -> dict:
+  """Which tensor saturates: the 'delayed' arm's steps run again (train_loop.build, the same
+  config, init and data order as the arm's run), each unit's x / W / g saturation recomputed
+  from the amax histories before and after each step (delayed_scaling.saturation), counted per
+  row: saturated unit-steps, events (maximal runs of saturated steps at a unit) and events of
+  >= 2 steps. One JSON per (regime, seed), skipped when it exists."""
+  path = rows_path(regime, seed)
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  import jax  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import train_loop  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.precision import delayed_scaling  # pylint: disable=g-import-not-at-top
+  config = arm_config(regime, "delayed", seed)
+  data = make_data(config.data)
+  run = train_loop.build(config, data=data, devices=jax.devices()[:1])  # as the arm's run
+  saturation = jax.jit(jax.vmap(delayed_scaling.saturation))  # [L, 3, H] x 2 -> [L, 3]
+  it = data.train_iterator()
+  flags = []  # per step: bool [units * L, 3]
+  with train_loop.sharding.activation_sharding(run.mesh):
+    state = run.init_state(jax.random.key(config.train.seed))
+    for _ in range(config.train.steps):
+      previous = jax.tree.map(np.asarray, state.amax_history)  # the step donates the state
+      state, _ = run.train_step(state, train_loop.device_batch(run, next(it)))
+      leaves = zip(jax.tree.leaves(previous), jax.tree.leaves(state.amax_history))
+      flags.append(np.concatenate([np.asarray(saturation(p, c)) > 1 for p, c in leaves]))
+  sat = np.stack(flags)  # [steps, units, 3]
+  out = {"regime": regime, "seed": seed, "steps": int(sat.shape[0]),
+         "unit_steps": int(sat.shape[0] * sat.shape[1]), "rows": {}}
+  for r, row in enumerate(ROWS):
+    runs = [length for _, _, length in event_runs(sat[:, :, r])]
+    out["rows"][row] = {"saturated_unit_steps": int(sat[:, :, r].sum()), "events": len(runs),
+                        "events_2plus": int(sum(n >= 2 for n in runs)),
+                        "longest": int(max(runs, default=0))}
+  out["any_row_saturated_unit_steps"] = int(sat.any(axis=2).sum())
+  common.write_json(path, out)
+  return out
+
+
+def rows_table() -> list:
+  lines = ["| regime | seed | tensor | saturated unit-steps per 1000 | events | events >= 2 steps "
+           "| longest event (steps) |", "|---|---|---|---|---|---|---|"]
+  for regime in REGIMES:
+    path = rows_path(regime, 0)
+    if not os.path.exists(path):
+      continue
+    with open(path, encoding="utf-8") as f:
+      census = json.load(f)
+    for row in ROWS:
+      c = census["rows"][row]
+      lines.append(f"| {regime} | 0 | {row} | "
+                   f"{1000 * c['saturated_unit_steps'] / census['unit_steps']:.2f} | "
+                   f"{c['events']} | {c['events_2plus']} | {c['longest']} |")
+  return lines
 
 
 def measure_table(seed: int = 0) -> list:
@@ -377,14 +444,16 @@ def report() -> str:
       "the fp8 codes: the numerics of the recipes, not their speed.", "",
       f"Runs: {', '.join(f'{d} on {dev}' for d, dev in dated) or 'none yet'}; "
       f"versions {versions}.", "", "## Saturation rates (arm 'delayed', seed 0)", ""]
-      + measure_table() + ["", "## Answer", ""] + [l for r in REGIMES for l in answer(r) + [""]]
+      + measure_table() + ["", "Which tensor saturates (`--part rows`: the 'delayed' arm's "
+                           "seed 0 run again, each row's saturation recomputed from the "
+                           "histories):", ""] + rows_table() + ["", "## Answer", ""] + [l for r in REGIMES for l in answer(r) + [""]]
       + ["## Arms", ""] + arms_table()) + "\n"
 
 
 def main(argv=None):
   global RESULTS, REPORT  # pylint: disable=global-statement  (--results moves every reader)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("measure", "arms", "prepare"), default="arms",
+  parser.add_argument("--part", choices=("measure", "rows", "arms", "prepare"), default="arms",
                       help="prepare: only the token caches of --regimes (under "
                       "$GNMR_JAX_DATA_DIR; a device without TFDS reads them, carried)")
   parser.add_argument("--seeds", type=int, default=5)
@@ -409,6 +478,9 @@ def main(argv=None):
     if args.part == "measure":
       for regime in regimes:
         run_one(regime, "delayed", 0)
+    elif args.part == "rows":
+      for regime in regimes:
+        row_census(regime, 0)
     else:
       for seed in range(args.seeds):
         for regime in regimes:

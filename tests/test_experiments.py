@@ -397,3 +397,33 @@ def test_delayed_regime_gpu_regime_is_h16_at_the_60m_size_and_smoke_stays_apart(
   monkeypatch.setattr(dr, 'RESULTS', str(tmp_path))
   with pytest.raises(SystemExit, match='is a --smoke dry run'):
     dr.load('h16gpu')
+
+
+def test_delayed_regime_row_census_agrees_with_the_logged_saturation(tmp_path, monkeypatch,
+                                                                     data_dirs):
+  # The census recomputes each row's saturation from the histories of the 'delayed' arm's steps;
+  # the train loop logged each unit's largest: on the same config, init and data order, a
+  # unit-step saturated in some row iff the logged value is over 1.
+  from experiments import delayed_regime as dr  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import train_loop  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(dr, 'RESULTS', str(tmp_path / 'results'))
+  monkeypatch.setitem(dr.SMOKE, 'on', True)
+  make = dr.arm_config
+
+  def arm_config(regime, arm, seed):
+    config = make(regime, arm, seed)
+    config.data.data_dir, config.data.sdist_path = data_dirs
+    config.precision.amax_history_length = 1  # events within the smoke run's 16 steps
+    return config
+
+  monkeypatch.setattr(dr, 'arm_config', arm_config)
+  census = dr.row_census('h16', 0)
+  workdir = str(tmp_path / 'run')
+  train_loop.train_and_evaluate(arm_config('h16', 'delayed', 0), workdir,
+                                devices=jax.devices()[:1])
+  logged = np.array([r['saturation'] for r in dr.metrics_rows(workdir)])
+  assert census['steps'] == 16 and census['unit_steps'] == logged.size
+  assert census['any_row_saturated_unit_steps'] == int((logged > 1).sum()) > 0
+  rows = census['rows']
+  assert sum(rows[r]['saturated_unit_steps'] for r in dr.ROWS) >= int((logged > 1).sum())
+  assert dr.row_census('h16', 0) == census  # read back, not recomputed
