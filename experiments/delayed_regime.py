@@ -34,7 +34,8 @@ its log measures what the default alarm would recover where nothing saturates),
 alarm: the paper's rule at alpha 4 / beta 3 / t_lock 2, plus its edge rule that a saturated unit
 is risky), 'paper' (routed, the paper's thresholds alpha 2 / beta 1.5 / delta 8 / t_lock 5, the
 same edge rule), 'saturation' (routed, priority 'saturation': the saturated units alone, t_lock
-1), 'hindsight' (a static set at the same budget chosen in hindsight: the max_o units that
+1), 'saturation_w0' (the same from step 1: it reads no norm history, so it needs no warmup),
+'hindsight' (a static set at the same budget chosen in hindsight: the max_o units that
 saturated most often in 'delayed' seed 0 of the regime, on bf16 for the whole run),
 'last_blocks' (NVIDIA's static recipe: the last layer's 7 units on bf16 for the whole run, 12.5%
 of unit-steps), 'delayed_perturb' (delayed with the initial params times (1 + 1e-7 z): the noise floor of
@@ -68,8 +69,8 @@ GPU_REGIMES = ("h16gpu",)  # scenario1's 'gpu' scale: the 60m model (d 512), seq
 COMMITTED_RESULTS = RESULTS
 SMOKE = {"on": False}  # --smoke: every config shrunk to seconds (a dry run of the device script)
 ARMS = ("bf16", "row", "delayed", "delayed_perturb", "alarm", "paper", "saturation",
-        "hindsight", "last_blocks")
-ROUTED = ("alarm", "paper", "saturation")
+        "saturation_w0", "hindsight", "last_blocks")
+ROUTED = ("alarm", "paper", "saturation", "saturation_w0")
 MAX_O = 4
 SATURATION_T_LOCK = 1
 
@@ -110,8 +111,10 @@ def arm_config(regime: str, arm: str, seed: int):
     config.precision.mode = "gnmr"
     if name == "alarm":
       config.gnmr.update(common.ALARM_PRIORITY)
-    elif name == "saturation":
+    elif name.startswith("saturation"):
       config.gnmr.update(priority="saturation", t_lock=SATURATION_T_LOCK)
+      if name == "saturation_w0":  # it reads no norm history: no warmup
+        config.gnmr.warmup = 0
     # 'paper' and 'norms': scenario1's pinned paper controller (common.EXPERIMENT_CONTROLLER)
   elif name == "hindsight":
     config.precision.mode = "gnmr"
@@ -154,10 +157,11 @@ def event_runs(saturated: np.ndarray) -> list:
   return out
 
 
-def event_stats(workdir: str) -> dict:
+def event_stats(workdir: str, warmup: int = 0) -> dict:
   """Saturation events of a run's units log (one row a step): per unit, maximal runs of
   consecutive saturated steps; how many the mask used covered at the next step (within 1) or
-  at one of the next two (within 2); recovered unit-steps."""
+  at one of the next two (within 2), of them and of those starting after the controller's
+  ``warmup`` (its mask is empty before); recovered unit-steps."""
   rows = metrics_rows(workdir)
   if not rows:
     return {}
@@ -178,6 +182,9 @@ def event_stats(workdir: str) -> dict:
           "covered_1": sum(within(e, 1) for e in events),
           "covered_2": sum(within(e, 2) for e in events),
           "covered_2plus_at_next": sum(within(e, 1) for e in long_events),
+          "events_2plus_after_warmup": sum(rows[e[1]]["step"] > warmup for e in long_events),
+          "covered_2plus_after_warmup": sum(within(e, 1) for e in long_events
+                                            if rows[e[1]]["step"] > warmup),
           "norm_alarm_paper": sum(norm_alarm(e, 2.0, 1.5) for e in events),
           "norm_alarm_default": sum(norm_alarm(e, 4.0, 3.0) for e in events),
           "recovered_unit_steps": int(mask.sum())}
@@ -203,7 +210,7 @@ def run_one(regime, arm, seed):
   workdir = common.run_dir(SCENARIO, regime, arm, seed)
   out["smoke"] = SMOKE["on"]
   out["mean_train_loss"] = float(np.mean([r["loss"] for r in train_rows(workdir)]))
-  out.update(event_stats(workdir))
+  out.update(event_stats(workdir, arm_config(regime, arm, seed).gnmr.warmup))
   common.write_json(path, out)
   os.remove(path + ".partial")
   return out
@@ -316,7 +323,8 @@ def arms_table() -> list:
   header = ["| regime | arm | seeds | final eval loss (mean) | final - delayed, paired (mean +- SE) "
            "| final - bf16, paired | mean train loss - bf16, paired | recovered unit-steps % "
            "| saturated per 1000 unit-steps | events covered at t+1 / by t+2 "
-           "| events of >= 2 steps covered at t+1 | H100 1b step / bf16 (model) |",
+           "| events of >= 2 steps covered at t+1 (after the warmup) "
+           "| H100 1b step / bf16 (model) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for regime in REGIMES:
     lines += header
@@ -342,7 +350,9 @@ def arms_table() -> list:
              else "- | ")
           + (f"{1000 * total('saturated_unit_steps') / unit_steps:.2f} | "
              f"{total('covered_1')} / {total('covered_2')} of {events} | "
-             f"{total('covered_2plus_at_next')} of {total('events_2plus')} | " if events or (
+             f"{total('covered_2plus_at_next')} of {total('events_2plus')} "
+          f"({total('covered_2plus_after_warmup')} of {total('events_2plus_after_warmup')}) | "
+          if events or (
                  unit_steps and "events" in next(iter(rows.values()))) else "- | - | - | ")
           + f"{arm_price(arm, 0.0 if static else share):.3f} |")
     lines.append("")
@@ -381,7 +391,7 @@ def arm_price(arm: str, recovered_share: float) -> float:
   return seconds / step_time.price(_cell_kernels("bf16"), spec).total_s
 
 
-RUNTIME = ("alarm", "paper", "saturation")
+RUNTIME = ("alarm", "paper", "saturation", "saturation_w0")
 STATIC_AT_BUDGET = ("hindsight", "delayed")  # the budget's static choices (delayed: none)
 
 
@@ -453,7 +463,8 @@ def report() -> str:
 def main(argv=None):
   global RESULTS, REPORT  # pylint: disable=global-statement  (--results moves every reader)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("measure", "rows", "arms", "prepare"), default="arms",
+  parser.add_argument("--part", choices=("measure", "rows", "restat", "arms", "prepare"),
+                      default="arms",
                       help="prepare: only the token caches of --regimes (under "
                       "$GNMR_JAX_DATA_DIR; a device without TFDS reads them, carried)")
   parser.add_argument("--seeds", type=int, default=5)
@@ -478,6 +489,14 @@ def main(argv=None):
     if args.part == "measure":
       for regime in regimes:
         run_one(regime, "delayed", 0)
+    elif args.part == "restat":  # the event statistics again, from the runs' logs here
+      for regime in regimes:
+        for arm, rows in load(regime).items():
+          for seed, row in rows.items():
+            workdir = common.run_dir(SCENARIO, regime, arm, seed)
+            if os.path.exists(os.path.join(workdir, "units.jsonl")):
+              row.update(event_stats(workdir, arm_config(regime, arm, seed).gnmr.warmup))
+              common.write_json(result_path(regime, arm, seed), row)
     elif args.part == "rows":
       for regime in regimes:
         row_census(regime, 0)

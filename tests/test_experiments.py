@@ -325,7 +325,11 @@ def test_delayed_regime_counts_saturation_events_and_their_coverage(tmp_path):
   assert stats == {'unit_steps': 15, 'saturated_unit_steps': 4, 'events': 3, 'events_2plus': 1,
                    'units_with_events': 3, 'events_after_step_50': 0, 'covered_1': 1,
                    'covered_2': 2, 'covered_2plus_at_next': 1, 'norm_alarm_paper': 1,
-                   'norm_alarm_default': 0, 'recovered_unit_steps': 2}
+                   'norm_alarm_default': 0, 'recovered_unit_steps': 2,
+                   'events_2plus_after_warmup': 1, 'covered_2plus_after_warmup': 1}
+  # After a warmup of 3 steps the 2-step event (from step 3) is not counted.
+  late = delayed_regime.event_stats(str(tmp_path), warmup=3)
+  assert (late['events_2plus_after_warmup'], late['covered_2plus_after_warmup']) == (0, 0)
 
 
 def test_delayed_regime_answer_compares_runtime_arms_with_the_best_static_arm_paired(
