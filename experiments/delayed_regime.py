@@ -29,7 +29,9 @@ Regimes (``--part measure`` reports each one's saturation rate first):
   'h16gpu'  h16 at the 60m size (d 512, 8 layers; seq 256, batch 64, 1000 steps) for a lent GPU:
             scripts/gpu_delayed_regime.sh (a dry run on CPU: --smoke)
 Arms: 'bf16' (static bf16), 'row' (static fp8 with per-row current scales: the precise recipe;
-its log measures what the default alarm would recover where nothing saturates),
+its log measures what the default alarm would recover where nothing saturates), 'tensor' (static
+fp8 with one current scale per tensor: delayed's granularity without its stale scales, so what
+delayed costs beyond it is the saturation's),
 'delayed' (static fp8 delayed: no recovery), 'alarm' (routed, the library's default transient
 alarm: the paper's rule at alpha 4 / beta 3 / t_lock 2, plus its edge rule that a saturated unit
 is risky), 'paper' (routed, the paper's thresholds alpha 2 / beta 1.5 / delta 8 / t_lock 5, the
@@ -68,7 +70,7 @@ REGIMES = {"h16": 16, "h1": 1, "h16gpu": 16}
 GPU_REGIMES = ("h16gpu",)  # scenario1's 'gpu' scale: the 60m model (d 512), seq 256, batch 64
 COMMITTED_RESULTS = RESULTS
 SMOKE = {"on": False}  # --smoke: every config shrunk to seconds (a dry run of the device script)
-ARMS = ("bf16", "row", "delayed", "delayed_perturb", "alarm", "paper", "saturation",
+ARMS = ("bf16", "row", "tensor", "delayed", "delayed_perturb", "alarm", "paper", "saturation",
         "saturation_w0", "hindsight", "last_blocks")
 ROUTED = ("alarm", "paper", "saturation", "saturation_w0")
 MAX_O = 4
@@ -102,6 +104,8 @@ def arm_config(regime: str, arm: str, seed: int):
   if name == "bf16":
     config.precision.update(low_cost_path="bf16", scaling="row")
     config.logging.unit_log_every = 0
+  elif name == "tensor":  # per-tensor like delayed, current: no stale scale, no saturation
+    config.precision.scaling = "tensor"
   elif name == "row":
     # Nothing saturates with current scales: the default alarm measures (static: telemetry
     # only) what it would recover where there is nothing to catch.
@@ -369,6 +373,7 @@ def arms_table() -> list:
 # each routed arm's measured share of recovered unit-steps taking the recovery branch.
 PRICE_TARGET, PRICE_CONFIG = "h100", "llama-1b"
 PRICE_CELLS = {"bf16": "bf16__static__attentionauto", "row": "fp8__static__attentionauto",
+               "tensor": "fp8__static__attentionauto__scalingtensor",
                "delayed": "fp8__static__attentionauto__scalingdelayed",
                "routed": "fp8__gnmr__attentionauto__scalingdelayed"}
 
@@ -385,7 +390,7 @@ def arm_price(arm: str, recovered_share: float) -> float:
   from gnmr_jax.aot import device_specs, step_time  # pylint: disable=g-import-not-at-top
   spec = device_specs.get_spec(PRICE_TARGET)
   name = arm.removesuffix("_perturb")
-  kind = name if name in ("bf16", "row", "delayed") else "routed"
+  kind = name if name in ("bf16", "row", "tensor", "delayed") else "routed"
   share = recovered_share if kind == "routed" else 0.0
   seconds = step_time.price(_cell_kernels(kind), spec, share).total_s
   return seconds / step_time.price(_cell_kernels("bf16"), spec).total_s

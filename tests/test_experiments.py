@@ -366,7 +366,7 @@ def test_delayed_regime_arms_validate_and_run_what_they_name(monkeypatch):
       assert config.train.seed == config.data.seed == 3
       low = config.precision
       assert (low.low_cost_path, low.scaling) == (('bf16', 'row') if arm == 'bf16' else
-                                                  ('fp8', 'row') if arm == 'row' else
+                                                  ('fp8', arm) if arm in ('row', 'tensor') else
                                                   ('fp8', 'delayed')), arm
       if low.scaling == 'delayed':
         assert low.amax_history_length == length
