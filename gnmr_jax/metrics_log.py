@@ -112,8 +112,9 @@ class MetricsLogger:
     if noise_fraction is not None:  # pi_u of the budgeted priorities (0 before a measurement)
       row["noise_fraction"] = [float(f"{v:.5g}") for v in np.nan_to_num(
           noise_fraction, nan=0.0, posinf=1e30)]
-    if saturation is not None:  # delayed scaling: amax over the scale's range (> 1: saturated)
-      row["saturation"] = [float(f"{v:.5g}") for v in np.nan_to_num(saturation, posinf=1e30)]
+    if saturation is not None:  # delayed scaling: amax over the scale's range (> 1: saturated;
+      # 9 significant digits round-trip float32, so a ratio a hair over 1 stays over 1)
+      row["saturation"] = [float(f"{v:.9g}") for v in np.nan_to_num(saturation, posinf=1e30)]
     self._units.write(json.dumps(row) + "\n")
     self._units.flush()
 

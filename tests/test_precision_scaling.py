@@ -402,3 +402,16 @@ def test_saturation_priority_without_delayed_scaling_is_refused(data_dirs):
                                       'gnmr.priority': 'saturation'})
   with pytest.raises(ValueError, match="priority='saturation'.*precision.scaling='delayed'"):
     validate_config(config, device_count=1)
+
+
+def test_the_unit_log_keeps_a_saturation_a_hair_over_one_over_one(tmp_path):
+  from gnmr_jax import metrics_log  # pylint: disable=g-import-not-at-top
+  log = metrics_log.MetricsLogger(str(tmp_path), 1, tensorboard=False, progress_bar=False,
+                                  unit_names=['a', 'b'])
+  hair = np.nextafter(np.float32(1), np.float32(2))  # a weight clipped by one ulp
+  log.units(1, mask=[False, False], score=[0.0, 0.0], gnmr=[1.0, 1.0], delta_gnmr=[1.0, 1.0],
+            saturation=np.array([hair, 1.0], np.float32))
+  log.close()
+  row, = metrics_log.read_jsonl(str(tmp_path / metrics_log.UNITS_FILE))
+  assert row['saturation'][0] > 1 and row['saturation'][1] == 1.0
+  assert np.float32(row['saturation'][0]) == hair
