@@ -11,11 +11,15 @@ seed<k>.json, skipped when it exists (a sweep longer than a session resumes). Th
 NVFP4 regime's shape (experiments/noise_fraction.py 'wsd8': the scenario CPU model at 8 layers,
 d 128, 56 projection units, 400 steps, warmup-stable-decay, lr 3e-3), fp8 everywhere (x, W:
 e4m3; output gradients: e5m2) with delayed per-tensor scaling (precision.scaling='delayed':
-power-of-two scales from each unit's amax history, as Transformer Engine) as the low-cost path
-and bf16 as the recovery path. A unit saturates when a tensor's amax outgrows its scale's range
-(its power-of-two headroom past the history's amax): its codes clip at the format's largest
-value for the steps until the history catches up (the observed amax doubles a step), at that
-unit only (model.amax_saturation_units; logged per unit and step as ``saturation``).
+power-of-two scales from each unit's amax history, as Transformer Engine) as the low-cost path and
+bf16 as the recovery path. A unit saturates when a tensor's amax outgrows its scale's range (its
+power-of-two headroom past the history's amax): its codes clip at the format's largest value for the
+steps until the history catches up (the observed amax doubles a step), at that unit only
+(model.amax_saturation_units; logged per unit and step as ``saturation``). Saturated means the codes
+reached the format's top (delayed_scaling.saturation: for x and g the codes tell no more, so values
+that merely rounded to the top count too, an upper bound on clipping); a unit the mask recovers
+still has its codes made and measured, so its saturation counts though its bf16 GEMM did not use
+them.
 
 Whether the gradient norms see the events (the paper's premise) is read from the 'delayed' arm's
 log, where the paper's controller measures without acting: at each event's first step, whether
@@ -28,20 +32,19 @@ Regimes (``--part measure`` reports each one's saturation rate first):
             whose amax outgrows the last one's power-of-two range saturates
   'h16gpu'  h16 at the 60m size (d 512, 8 layers; seq 256, batch 64, 1000 steps) for a lent GPU:
             scripts/gpu_delayed_regime.sh (a dry run on CPU: --smoke)
-Arms: 'bf16' (static bf16), 'row' (static fp8 with per-row current scales: the precise recipe;
-its log measures what the default alarm would recover where nothing saturates), 'tensor' (static
-fp8 with one current scale per tensor: delayed's granularity without its stale scales, so what
-delayed costs beyond it is the saturation's),
-'delayed' (static fp8 delayed: no recovery), 'alarm' (routed, the library's default transient
-alarm: the paper's rule at alpha 4 / beta 3 / t_lock 2, plus its edge rule that a saturated unit
-is risky), 'paper' (routed, the paper's thresholds alpha 2 / beta 1.5 / delta 8 / t_lock 5, the
-same edge rule), 'saturation' (routed, priority 'saturation': the saturated units alone, t_lock
-1), 'saturation_w0' (the same from step 1: it reads no norm history, so it needs no warmup),
-'hindsight' (a static set at the same budget chosen in hindsight: the max_o units that
-saturated most often in 'delayed' seed 0 of the regime, on bf16 for the whole run),
-'last_blocks' (NVIDIA's static recipe: the last layer's 7 units on bf16 for the whole run, 12.5%
-of unit-steps), 'delayed_perturb' (delayed with the initial params times (1 + 1e-7 z): the noise floor of
-a seed). Every routed arm: max_o 4 of 56 units (7%), warmup 20.
+Arms: 'bf16' (static bf16), 'row' (static fp8 with per-row current scales: the precise recipe; its
+log measures what the default alarm would recover where nothing saturates), 'tensor' (static fp8
+with one current scale per tensor: delayed's granularity without its stale scales, so what delayed
+costs beyond it is the saturation's), 'delayed' (static fp8 delayed: no recovery), 'alarm' (routed,
+the library's default transient alarm: the paper's rule at alpha 4 / beta 3 / t_lock 2, plus its
+edge rule that a saturated unit is risky), 'paper' (routed, the paper's thresholds alpha 2 / beta
+1.5 / delta 8 / t_lock 5, the same edge rule), 'saturation' (routed, priority 'saturation': the
+saturated units alone, t_lock 1), 'saturation_w0' (the same from step 1: it reads no norm history,
+so it needs no warmup), 'hindsight' (a static set at the same budget chosen in hindsight: the max_o
+units that saturated most often in 'delayed' seed 0 of the regime, on bf16 for the whole run),
+'last_blocks' (NVIDIA's static recipe: the last layer's 7 units on bf16 for the whole run, 12.5% of
+unit-steps), 'delayed_perturb' (delayed with the initial params times (1 + 1e-7 z): the noise floor
+of a seed). Every routed arm: max_o 4 of 56 units (7%), warmup 20.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ SMOKE = {"on": False}  # --smoke: every config shrunk to seconds (a dry run of t
 ARMS = ("bf16", "row", "tensor", "delayed", "delayed_perturb", "alarm", "paper", "saturation",
         "saturation_w0", "hindsight", "last_blocks")
 ROUTED = ("alarm", "paper", "saturation", "saturation_w0")
+STATIC = ("bf16", "row", "tensor", "delayed", "delayed_perturb")  # no recovery path runs
 MAX_O = 4
 SATURATION_T_LOCK = 1
 
@@ -133,8 +137,13 @@ def arm_config(regime: str, arm: str, seed: int):
 
 
 def hindsight_units(regime: str) -> str:
-  """A regex of the MAX_O units with the most saturated steps in 'delayed' seed 0 (run first)."""
+  """A regex of the MAX_O units with the most saturated steps in 'delayed' seed 0 (run first),
+  kept in RESULTS/<regime>/hindsight_units.json (committed: the runs' logs are not)."""
   from gnmr_jax import metrics_log  # pylint: disable=g-import-not-at-top
+  kept = os.path.join(RESULTS, regime, "hindsight_units.json")
+  if os.path.exists(kept):
+    with open(kept, encoding="utf-8") as f:
+      return json.load(f)["pattern"]
   workdir = common.run_dir(SCENARIO, regime, "delayed", 0)
   path = os.path.join(workdir, metrics_log.UNIT_NAMES_FILE)
   if not os.path.exists(path):
@@ -143,7 +152,10 @@ def hindsight_units(regime: str) -> str:
     names = json.load(f)
   counts = (np.array([r["saturation"] for r in metrics_rows(workdir)]) > 1).sum(axis=0)
   top = [names[i] for i in np.argsort(-counts, kind="stable")[:MAX_O]]
-  return "^(" + "|".join(re.escape(n) for n in top) + ")$"
+  pattern = "^(" + "|".join(re.escape(n) for n in top) + ")$"
+  common.write_json(kept, {"pattern": pattern, "units": top,
+                           "saturated_steps": [int(counts[names.index(n)]) for n in top]})
+  return pattern
 
 
 def result_path(regime, arm, seed):
@@ -169,6 +181,8 @@ def event_stats(workdir: str, warmup: int = 0) -> dict:
   rows = metrics_rows(workdir)
   if not rows:
     return {}
+  if [r["step"] for r in rows] != list(range(1, len(rows) + 1)):
+    raise ValueError(f"{workdir}: the units log must hold every step (logging.unit_log_every=1)")
   mask = np.array([r["mask"] for r in rows], bool)  # the mask each step ran (static: would)
   if "saturation" not in rows[0]:
     return {"unit_steps": int(mask.size), "recovered_unit_steps": int(mask.sum())}
@@ -303,7 +317,8 @@ def measure_table(seed: int = 0) -> list:
     if row is None or "events" not in row:
       lines.append(f"| {regime} | {length} | not run | - | - | - | - |")
       continue
-    lines.append(f"| {regime} | {length} | {1000 * row['saturated_unit_steps'] / row['unit_steps']:.2f} "
+    rate = 1000 * row["saturated_unit_steps"] / row["unit_steps"]
+    lines.append(f"| {regime} | {length} | {rate:.2f} "
                  f"| {row['events']} | {row['events_2plus']} | {row['units_with_events']} "
                  f"| {row['events_after_step_50']} |")
   return lines
@@ -324,10 +339,11 @@ def _floor(results, key) -> str:
 
 def arms_table() -> list:
   lines = []
-  header = ["| regime | arm | seeds | final eval loss (mean) | final - delayed, paired (mean +- SE) "
-           "| final - bf16, paired | mean train loss - bf16, paired | recovered unit-steps % "
-           "| saturated per 1000 unit-steps | events covered at t+1 / by t+2 "
-           "| events of >= 2 steps covered at t+1 (after the warmup) "
+  header = ["| regime | arm | seeds | final eval loss (mean) "
+           "| final - delayed, paired (mean +- SE) | final - bf16, paired "
+           "| mean train loss - bf16, paired | recovered unit-steps % "
+           "| saturated per 1000 unit-steps | events the mask reached at t+1 / by t+2 "
+           "| events of >= 2 steps recovered at their 2nd step (after the warmup) "
            "| H100 1b step / bf16 (model) |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for regime in REGIMES:
@@ -345,7 +361,7 @@ def arms_table() -> list:
 
       unit_steps, events = total("unit_steps"), total("events")
       share = total("recovered_unit_steps") / unit_steps if unit_steps else 0.0
-      static = arm_config(regime, arm, 0).precision.mode == "static"
+      static = arm in STATIC
       lines.append(
           f"| {regime} | {arm} | {len(rows)} | "
           f"{np.mean([r['eval_loss'] for r in rows.values()]):.4f} | {_paired(rows, base)} | "
@@ -408,23 +424,27 @@ def answer(regime: str) -> list:
   statics = {a: results[a] for a in STATIC_AT_BUDGET if results.get(a)}
   if not statics or not any(results.get(a) for a in RUNTIME):
     return [f"{regime}: not enough runs for an answer yet."]
-  best = min(statics, key=lambda a: np.mean([r["eval_loss"] for r in statics[a].values()]))
-  lines = [f"{regime}: best static arm at the budget: '{best}'."]
+  # the best on the seeds every static arm has (their means over different seeds would mislead)
+  shared = set.intersection(*(set(rows) for rows in statics.values()))
+  best = min(statics, key=lambda a: np.mean([r["eval_loss"] for s, r in statics[a].items()
+                                             if s in shared or not shared]))
+  lines = [f"{regime}: best static arm at the budget: '{best}' (lowest mean final loss over "
+           f"the {len(shared)} seeds {sorted(shared)} of {list(statics)})."]
   for arm in RUNTIME:
     if not results.get(arm):
       continue
     d, se, n = selection_report.paired(results[arm].values(), statics[best].values())
     verdict = ("beats it by more than 2 SE" if n >= 2 and d < -2 * se else
                "is worse by more than 2 SE" if n >= 2 and d > 2 * se else
-               "does not differ by more than 2 SE")
+               "does not differ by more than 2 SE" if n >= 2 else "one seed: no SE yet")
     lines.append(f"- '{arm}' minus '{best}': {d:+.4f} +- {se:.4f} nats (n={n}): {verdict}.")
   delayed = list(results.get("delayed", {}).values())
-  if delayed and "events" in delayed[0]:
+  if delayed and "events" in delayed[0] and sum(r["events"] for r in delayed):
     events = sum(r["events"] for r in delayed)
     long = sum(r["events_2plus"] for r in delayed)
     steps = sum(r["unit_steps"] for r in delayed)
     lines.append(
-        f"- Why (arm 'delayed', {len(delayed)} seeds): {events} saturation events, "
+        f"- Why (arm 'delayed', {len(delayed)} seed(s)): {events} saturation events, "
         f"{1000 * events / steps:.1f} per 1000 unit-steps; {100 * (1 - long / events):.1f}% of "
         f"them last one step (the observed amax doubles and the next scale holds it), so a mask "
         f"acting at t + 1 reaches only the {long} events of >= 2 steps; the gradient norms "
@@ -461,7 +481,8 @@ def report() -> str:
       f"versions {versions}.", "", "## Saturation rates (arm 'delayed', seed 0)", ""]
       + measure_table() + ["", "Which tensor saturates (`--part rows`: the 'delayed' arm's "
                            "seed 0 run again, each row's saturation recomputed from the "
-                           "histories):", ""] + rows_table() + ["", "## Answer", ""] + [l for r in REGIMES for l in answer(r) + [""]]
+                           "histories):", ""] + rows_table() + ["", "## Answer", ""]
+      + [line for regime in REGIMES for line in answer(regime) + [""]]
       + ["## Arms", ""] + arms_table()) + "\n"
 
 

@@ -51,8 +51,8 @@ def gnmr_config() -> ml_collections.ConfigDict:
   # Hard budget: at most this many units on the recovery path per step.
   c.max_o = 4
   # Lock length: a selected risky unit stays a candidate for this many more steps. None: per
-  # priority (control.config.DEFAULT_T_LOCK): 2 for 'gnmr' (the alarm above), 5 for the others
-  # (the paper's, which every other priority was measured with).
+  # priority (control.config.DEFAULT_T_LOCK): 2 for 'gnmr' (the alarm above), 1 for
+  # 'saturation', 5 for the others (the paper's, which every other priority was measured with).
   c.t_lock = ml_collections.config_dict.placeholder(int)
   # Steps during which statistics accumulate but nothing is recovered.
   c.warmup = 20
@@ -402,7 +402,8 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   if g.enabled and priority == "saturation" and config.precision.get("scaling") != "delayed":
     raise ValueError(f"config.gnmr.priority='saturation' reads delayed scaling's saturation: "
                      f"set config.precision.scaling='delayed' (got "
-                     f"{config.precision.get('scaling')!r}; without it nothing is recovered).")
+                     f"{config.precision.get('scaling')!r}; without delayed scaling nothing "
+                     f"saturates, and 'auto' is resolved per device only when the run is built).")
   if config.precision.mode == "gnmr" and not g.enabled:
     raise ValueError("config.precision.mode='gnmr' needs config.gnmr.enabled=True "
                      "(the recovery mask comes from the controller).")

@@ -141,3 +141,16 @@ def test_constructor_gives_the_state_and_mask_of_from_config(name, make, overrid
   assert masks.any(), name
   if name not in ("fixed_set", "last_blocks", "late_switch"):
     assert len({m.tobytes() for m in masks[SHARED["warmup"] + 1:]}) > 1, name
+  if name == "research.saturation":  # the saturated units of step t in the masks made at t and
+    # t + 1 (t_lock 1: used at t + 1 and t + 2) after the warmup (2); the non-finite unit (q[1],
+    # step 7) alike
+    names = control.layout_of(PARAMS, **SELECT).names()
+    for step in range(SHARED["warmup"] + 1, STEPS + 1):
+      want = {f"layers/attn/q/kernel[{l}]" if leaf == "q" else f"layers/mlp/down/kernel[{l}]"
+              if leaf == "down" else "head/kernel"
+              for t in (step - 1, step) if t > SHARED["warmup"]
+              for leaf, l in SATURATED.get(t, ())}
+      if step in (7, 8):
+        want.add("layers/attn/q/kernel[1]")
+      got_units = {n for n, m in zip(names, masks[step]) if m}
+      assert got_units == want, (step, got_units, want)

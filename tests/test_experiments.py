@@ -347,13 +347,18 @@ def test_delayed_regime_answer_compares_runtime_arms_with_the_best_static_arm_pa
       os.makedirs(tmp_path / 'h16' / arm, exist_ok=True)
       common.write_json(str(tmp_path / 'h16' / arm / f'seed{seed}.json'), row)
   lines = delayed_regime.answer('h16')
-  assert lines[0] == "h16: best static arm at the budget: 'hindsight'."
+  assert lines[0] == ("h16: best static arm at the budget: 'hindsight' (lowest mean final loss "
+                      "over the 3 seeds [0, 1, 2] of ['hindsight', 'delayed']).")
   # saturation - hindsight: -0.02, -0.03, -0.02 -> mean -0.0233, SE 0.0033: beats it
   assert "'saturation' minus 'hindsight': -0.0233 +- 0.0033 nats (n=3): beats it" in lines[2]
   # alarm - hindsight: +0.005, +0.005, -0.005 -> mean +0.0017, SE 0.0033: no difference
   assert "'alarm' minus 'hindsight': +0.0017 +- 0.0033 nats (n=3): does not differ" in lines[1]
   assert '30 saturation events, 10.0 per 1000 unit-steps; 90.0% of them last one step' in lines[3]
   assert delayed_regime.answer('h1') == ['h1: not enough runs for an answer yet.']
+  # One seed of an arm: no standard error to judge by.
+  common.write_json(str(tmp_path / 'h16' / 'paper' / 'seed0.json'), {'seed': 0, 'eval_loss': 1.9})
+  assert "- 'paper' minus 'hindsight': -0.0900 +- nan nats (n=1): one seed: no SE yet." in (
+      delayed_regime.answer('h16'))
 
 
 def test_delayed_regime_arms_validate_and_run_what_they_name(monkeypatch):

@@ -415,3 +415,27 @@ def test_the_unit_log_keeps_a_saturation_a_hair_over_one_over_one(tmp_path):
   row, = metrics_log.read_jsonl(str(tmp_path / metrics_log.UNITS_FILE))
   assert row['saturation'][0] > 1 and row['saturation'][1] == 1.0
   assert np.float32(row['saturation'][0]) == hair
+
+
+def test_the_saturation_priority_recovers_a_saturated_unit_whose_norm_history_is_zero():
+  # Step 1: every output gradient underflows (an empty history scales by 1), so the norms are 0;
+  # step 2 saturates b. With no norm history the norm ratio is inf, and inf over the infinite
+  # threshold must not make b's score NaN, which would rank it last and leave it unrecovered
+  # (max_o smaller than the units, so the ranking decides).
+  import gnmr_jax  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.control import research  # pylint: disable=g-import-not-at-top
+  params = {'a': jnp.ones((2, 2)), 'b': jnp.ones((2, 2)), 'c': jnp.ones((2, 2))}
+  tx = research.saturation(max_o=1, t_lock=1)
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  _, state = update(zeros, state, params, overflow={'a': False, 'b': False, 'c': False})
+  _, state = update(params, state, params, overflow={'a': False, 'b': True, 'c': True})
+  assert jax.tree.map(bool, gnmr_jax.recovery_mask(state)) == {'a': False, 'b': True,
+                                                               'c': False}
+  assert all(np.all(np.isfinite(np.asarray(s))) for s in jax.tree.leaves(state.score))
+  # Locked the next step (no saturation): still b, then free.
+  _, state = update(params, state, params, overflow={'a': False, 'b': False, 'c': False})
+  assert bool(gnmr_jax.recovery_mask(state)['b'])
+  _, state = update(params, state, params, overflow={'a': False, 'b': False, 'c': False})
+  assert not any(jax.tree.leaves(gnmr_jax.recovery_mask(state)))

@@ -18,8 +18,9 @@ from gnmr_jax.control.priorities import PAPER_T_LOCK
 
 
 # gnmr.t_lock when the config leaves it None: the alarm's 2 for 'gnmr' (the config default since
-# 2026-12-02), else the paper's 5, with which 'norm', 'gap', 'hybrid', ... were measured.
-DEFAULT_T_LOCK = {"gnmr": recommended.ALARM_T_LOCK}
+# 2026-12-02), 1 for 'saturation' (research.SATURATION_T_LOCK), else the paper's 5, with which
+# 'norm', 'gap', 'hybrid', ... were measured.
+DEFAULT_T_LOCK = {"gnmr": recommended.ALARM_T_LOCK, "saturation": research.SATURATION_T_LOCK}
 
 # config.gnmr fields read by one priority only: (that priority, the value that leaves it unset).
 PRIORITY_FIELDS = {"fixed_units": ("fixed", ""), "last_blocks": ("last_blocks", 0),

@@ -279,6 +279,9 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
 
     risky = (ratio > alpha_t) | (delta_ratio > beta_t) | ~finite
     score = jnp.where(finite, jnp.maximum(ratio / alpha_t, delta_ratio / beta_t), jnp.inf)
+    # An infinite threshold never scores (research.saturation): inf / inf is no risk, not NaN,
+    # which would rank an overflowed or locked unit below every other.
+    score = jnp.where(jnp.isnan(score), 0.0, score)
     if overflow is not None:  # see "Edge rules": a saturated low-cost step is an alarm
       overflowed = layout.flat(overflow).astype(jnp.bool_)
       risky = risky | overflowed

@@ -6,7 +6,7 @@
   hybrid   the paper's alarm first, the norm level fills the budget
   random   max_o units drawn uniformly at random: the same-budget baseline
   noise    the measured quantization-noise fraction against a threshold, plus the paper's alarm
-  saturation  delayed scaling's saturation alone: a unit whose codes saturated this step
+  saturation  delayed scaling's saturation alone: the units whose codes reached the top
 
 None of them is recommended for training (:mod:`gnmr_jax.control.recommended` lists those, with
 the measurements): the gap-ranked ones cost one extra forward + backward per measurement and
@@ -306,21 +306,26 @@ def noise(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
                              layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta)
 
 
+# config.gnmr.t_lock's default for priority 'saturation': the scale catches up in a step or two.
+SATURATION_T_LOCK = 1
+
+
 def _never(count):
   """A threshold no ratio exceeds (``saturation``: the norms never alarm)."""
   del count
   return jnp.inf
 
 
-def saturation(*, max_o: int, t_lock: int = PAPER_T_LOCK, warmup: int = 0, units=None,
+def saturation(*, max_o: int, t_lock: int = SATURATION_T_LOCK, warmup: int = 0, units=None,
                layer_axis=None, delta: int = PAPER_DELTA) -> optax.GradientTransformationExtraArgs:
   """Delayed scaling's saturation as the only alarm: the units whose codes saturated this step
   (``update(..., overflow=tree)``: ``gnmr_jax.model.amax_saturation_units`` > 1, which the train
-  step passes with delayed scaling) run the recovery path from the next step, locked for
-  ``t_lock`` steps; the gradient norms never alarm. It reads the cause the paper's rule reads
-  through the gradient norm, so it bounds what a norm-watching controller can do in the
-  delayed-scaling regime (experiments/delayed_regime.py). Over ``max_o`` saturated units, tree
-  order decides. Without ``overflow`` (no delayed scaling) it recovers nothing.
+  step passes with delayed scaling) run the recovery path for the next ``t_lock + 1`` steps; the
+  gradient norms never alarm (a non-finite one still does, as in every controller). It reads the
+  cause the paper's rule reads through the gradient norm, so it bounds what a norm-watching
+  controller can do in the delayed-scaling regime (experiments/delayed_regime.py). Over ``max_o``
+  saturated units, tree order decides. Without ``overflow`` (no delayed scaling) it recovers
+  nothing.
 
   This is :func:`gnmr_jax.gnmr` with thresholds that never fire (its edge rule makes an
   overflowed unit risky with score 1), so it keeps a :class:`gnmr_jax.GNMRState` and its
@@ -328,8 +333,9 @@ def saturation(*, max_o: int, t_lock: int = PAPER_T_LOCK, warmup: int = 0, units
 
   Args:
     max_o: units recovered per step (>= 0).
-    t_lock: steps a saturated unit stays recovered after the step it saturated (>= 0); the
-      scale catches up within a step or two (delayed_scaling.py), so a short lock covers it.
+    t_lock: the lock of a unit that saturated (>= 0): it runs the recovery path for the
+      t_lock + 1 steps after; the scale catches up within a step or two (delayed_scaling.py),
+      so a short lock covers it (``config.gnmr.t_lock`` None: 1).
     warmup, units, layer_axis, delta: as in :func:`gnmr_jax.gnmr` (``delta`` sizes the
       statistics' window, which no decision reads here).
 

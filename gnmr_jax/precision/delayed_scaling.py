@@ -17,12 +17,12 @@ Transformer Engine's initial scale does: an output gradient far below 1 then und
 that one step (its weight gradient is 0) and is in range from the next. The history's update
 rides in the backward pass (path.path_dot), the train step keeps the next history.
 
-Numerics: a saturated step clips the outgrowing values to the largest code (:func:`saturation`
-tells which steps did), which current scaling never does and why the 'row' recipe stays the
-precise one. The power-of-two scale leaves headroom (up to 2x above the history's amax), so an
-amax that outgrows its history saturates only past that headroom. fp8 only: a power-of-two scale puts the history's amax in the
-top binade of an fp8 format at no cost in precision (its spacing is relative), while an int8
-grid would lose a bit; and the saturation test (the largest code reached) would fire on every
+Numerics: a saturated step clips the outgrowing values to the largest code (:func:`saturation` tells
+which steps did), which current scaling never does and why the 'row' recipe stays the precise one.
+The power-of-two scale leaves headroom (up to 2x above the history's amax), so an amax that outgrows
+its history saturates only past that headroom. fp8 only: a power-of-two scale puts the history's
+amax in the top binade of an fp8 format at no cost in precision (its spacing is relative), while an
+int8 grid would lose a bit; and the saturation test (the largest code reached) would fire on every
 step at int8's exact absmax scale.
 """
 
