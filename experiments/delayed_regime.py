@@ -438,6 +438,12 @@ def answer(regime: str) -> list:
                "is worse by more than 2 SE" if n >= 2 and d > 2 * se else
                "does not differ by more than 2 SE" if n >= 2 else "one seed: no SE yet")
     lines.append(f"- '{arm}' minus '{best}': {d:+.4f} +- {se:.4f} nats (n={n}): {verdict}.")
+  bf16 = results.get("bf16", {})
+  for arm in ("delayed", "tensor", "row"):  # what there is to recover, and where it comes from
+    if results.get(arm) and bf16:
+      parts = [f"{key.replace('_', ' ')} {_paired(results[arm], bf16, key)}"
+               for key in ("eval_loss", "mean_train_loss")]
+      lines.append(f"- '{arm}' minus 'bf16': " + "; ".join(parts) + ".")
   delayed = list(results.get("delayed", {}).values())
   if delayed and "events" in delayed[0] and sum(r["events"] for r in delayed):
     events = sum(r["events"] for r in delayed)
