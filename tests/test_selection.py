@@ -291,11 +291,15 @@ def test_config_selects_each_priority_and_refuses_a_gap_priority_without_measure
     config.gnmr.switch_step = 5 if priority == "late_switch" else 0
     # 'noise' needs every unit re-measured
     config.diagnostics.recovery_gap_pass = "uniform" if priority == "noise" else "recovery"
+    # 'saturation' reads delayed scaling's saturation
+    config.precision.update(low_cost_path="fp8" if priority == "saturation" else "int8",
+                            scaling="delayed" if priority == "saturation" else "row")
     validate_config(config, 1)
     tx = optim.make_optimizer(config)
     state = tx.init({"layers": {"attn": {"q": {"kernel": jnp.zeros((2, 4, 4))}}}})
     gnmr_jax.controller_state(state)  # exactly one GNMRState, found inside
-    assert (control.gap_estimate(state) is None) == (priority == "gnmr")
+    # the paper's rule and its saturation-only form keep a GNMRState, no gap estimate
+    assert (control.gap_estimate(state) is None) == (priority in ("gnmr", "saturation"))
   config.gnmr.priority, config.gnmr.fixed_units, config.gnmr.switch_step = "gap", "", 0
   config.diagnostics.recovery_gap_every = 0
   with pytest.raises(ValueError, match="recovery_gap_every"):
