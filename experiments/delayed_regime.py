@@ -434,9 +434,11 @@ def answer(regime: str) -> list:
     if not results.get(arm):
       continue
     d, se, n = selection_report.paired(results[arm].values(), statics[best].values())
-    verdict = ("beats it by more than 2 SE" if n >= 2 and d < -2 * se else
-               "is worse by more than 2 SE" if n >= 2 and d > 2 * se else
-               "does not differ by more than 2 SE" if n >= 2 else "one seed: no SE yet")
+    # an SE of fewer than 3 paired seeds judges nothing (2 seeds: one degree of freedom)
+    verdict = ("beats it by more than 2 SE" if n >= 3 and d < -2 * se else
+               "is worse by more than 2 SE" if n >= 3 and d > 2 * se else
+               "does not differ by more than 2 SE" if n >= 3 else
+               f"{n} seed(s): too few to judge yet")
     lines.append(f"- '{arm}' minus '{best}': {d:+.4f} +- {se:.4f} nats (n={n}): {verdict}.")
   bf16 = results.get("bf16", {})
   for arm in ("delayed", "tensor", "row"):  # what there is to recover, and where it comes from
