@@ -40,11 +40,13 @@ the library's default transient alarm: the paper's rule at alpha 4 / beta 3 / t_
 edge rule that a saturated unit is risky), 'paper' (routed, the paper's thresholds alpha 2 / beta
 1.5 / delta 8 / t_lock 5, the same edge rule), 'saturation' (routed, priority 'saturation': the
 saturated units alone, t_lock 1), 'saturation_w0' (the same from step 1: it reads no norm history,
-so it needs no warmup), 'hindsight' (a static set at the same budget chosen in hindsight: the max_o
+so it needs no warmup), 'saturation_all' (every unit that saturated, for the one step after
+(t_lock 0, no per-step cap, warmup 0): the mask reaches every event of >= 2 steps at its second
+step, and its mean recovered share, not a per-step cap, is what it spends), 'hindsight' (a static set at the same budget chosen in hindsight: the max_o
 units that saturated most often in 'delayed' seed 0 of the regime, on bf16 for the whole run),
 'last_blocks' (NVIDIA's static recipe: the last layer's 7 units on bf16 for the whole run, 12.5% of
 unit-steps), 'delayed_perturb' (delayed with the initial params times (1 + 1e-7 z): the noise floor
-of a seed). Every routed arm: max_o 4 of 56 units (7%), warmup 20.
+of a seed). Every routed arm but 'saturation_all': max_o 4 of 56 units (7%), warmup 20.
 """
 
 from __future__ import annotations
@@ -74,8 +76,8 @@ GPU_REGIMES = ("h16gpu",)  # scenario1's 'gpu' scale: the 60m model (d 512), seq
 COMMITTED_RESULTS = RESULTS
 SMOKE = {"on": False}  # --smoke: every config shrunk to seconds (a dry run of the device script)
 ARMS = ("bf16", "row", "tensor", "delayed", "delayed_perturb", "alarm", "paper", "saturation",
-        "saturation_w0", "hindsight", "last_blocks")
-ROUTED = ("alarm", "paper", "saturation", "saturation_w0")
+        "saturation_w0", "saturation_all", "hindsight", "last_blocks")
+ROUTED = ("alarm", "paper", "saturation", "saturation_w0", "saturation_all")
 STATIC = ("bf16", "row", "tensor", "delayed", "delayed_perturb")  # no recovery path runs
 MAX_O = 4
 SATURATION_T_LOCK = 1
@@ -121,8 +123,12 @@ def arm_config(regime: str, arm: str, seed: int):
       config.gnmr.update(common.ALARM_PRIORITY)
     elif name.startswith("saturation"):
       config.gnmr.update(priority="saturation", t_lock=SATURATION_T_LOCK)
-      if name == "saturation_w0":  # it reads no norm history: no warmup
+      if name != "saturation":  # it reads no norm history: no warmup
         config.gnmr.warmup = 0
+      if name == "saturation_all":  # every saturated unit, for the one step after
+        from gnmr_jax.model import PROJECTIONS  # pylint: disable=g-import-not-at-top
+        units = sum(len(names) for names in PROJECTIONS.values()) * config.model.num_layers
+        config.gnmr.update(t_lock=0, max_o=units)
     # 'paper' and 'norms': scenario1's pinned paper controller (common.EXPERIMENT_CONTROLLER)
   elif name == "hindsight":
     config.precision.mode = "gnmr"
@@ -185,7 +191,8 @@ def event_stats(workdir: str, warmup: int = 0) -> dict:
     raise ValueError(f"{workdir}: the units log must hold every step (logging.unit_log_every=1)")
   mask = np.array([r["mask"] for r in rows], bool)  # the mask each step ran (static: would)
   if "saturation" not in rows[0]:
-    return {"unit_steps": int(mask.size), "recovered_unit_steps": int(mask.sum())}
+    return {"unit_steps": int(mask.size), "recovered_unit_steps": int(mask.sum()),
+            "most_units_recovered_in_a_step": int(mask.sum(axis=1).max())}
   sat = np.array([r["saturation"] for r in rows]) > 1          # [steps, units]
   steps, units = sat.shape
   events = event_runs(sat)
@@ -205,7 +212,8 @@ def event_stats(workdir: str, warmup: int = 0) -> dict:
                                             if rows[e[1]]["step"] > warmup),
           "norm_alarm_paper": sum(norm_alarm(e, 2.0, 1.5) for e in events),
           "norm_alarm_default": sum(norm_alarm(e, 4.0, 3.0) for e in events),
-          "recovered_unit_steps": int(mask.sum())}
+          "recovered_unit_steps": int(mask.sum()),
+          "most_units_recovered_in_a_step": int(mask.sum(axis=1).max())}
 
 
 def metrics_rows(workdir):
@@ -412,8 +420,21 @@ def arm_price(arm: str, recovered_share: float) -> float:
   return seconds / step_time.price(_cell_kernels("bf16"), spec).total_s
 
 
-RUNTIME = ("alarm", "paper", "saturation", "saturation_w0")
+RUNTIME = ROUTED
 STATIC_AT_BUDGET = ("hindsight", "delayed")  # the budget's static choices (delayed: none)
+
+
+def _spend(rows: dict) -> str:
+  """What an arm's mask recovered over its seeds: the share of unit-steps, and the most units
+  in one step where the runs logged it ('' where they logged neither)."""
+  unit_steps = sum(r.get("unit_steps", 0) for r in rows.values())
+  if not unit_steps:
+    return ""
+  share = sum(r["recovered_unit_steps"] for r in rows.values()) / unit_steps
+  out = f"recovers {100 * share:.2f}% of unit-steps"
+  peaks = [r["most_units_recovered_in_a_step"] for r in rows.values()
+           if "most_units_recovered_in_a_step" in r]
+  return out + (f", at most {max(peaks)} units in a step" if peaks else "")
 
 
 def answer(regime: str) -> list:
@@ -439,7 +460,14 @@ def answer(regime: str) -> list:
                "is worse by more than 2 SE" if n >= 3 and d > 2 * se else
                "does not differ by more than 2 SE" if n >= 3 else
                f"{n} seed(s): too few to judge yet")
-    lines.append(f"- '{arm}' minus '{best}': {d:+.4f} +- {se:.4f} nats (n={n}): {verdict}.")
+    spent = [_spend(results[arm]), _spend(statics[best])]
+    spent = f"; {spent[0]} ('{best}': {spent[1]})" if all(spent) else ""
+    rows = results[arm].values()
+    if all("events_2plus" in r for r in rows):
+      spent += (f"; its mask reached {sum(r['covered_2plus_at_next'] for r in rows)} of the "
+                f"{sum(r['events_2plus'] for r in rows)} events of >= 2 steps at their 2nd step")
+    lines.append(f"- '{arm}' minus '{best}': {d:+.4f} +- {se:.4f} nats (n={n}): {verdict}"
+                 f"{spent}.")
   bf16 = results.get("bf16", {})
   for arm in ("delayed", "tensor", "row"):  # what there is to recover, and where it comes from
     if results.get(arm) and bf16:

@@ -3,8 +3,9 @@
 # 8 layers; seq 256, batch 64, 1000 steps, warmup-stable-decay), one seed per arm, on a lent
 # GPU: --regimes h16gpu. By default the arms that decide the issue in one 600 s call: static fp8
 # with delayed scaling (no recovery; its log is the event census and the norm-alarm check),
-# the saturation-reading controller, the paper's rule; a second call with
-# ARMS=bf16,alarm,hindsight,row adds the rest (finished arms are skipped on the same warm
+# the saturation-reading controller uncapped (saturation_all: every saturated unit the step
+# after), the paper's rule; a second call with ARMS=bf16,alarm,hindsight,saturation adds the
+# rest (finished arms are skipped on the same warm
 # machine; an arm cut by its limit ends with SIGTERM's checkpoint and resumes from it).
 #
 # The device image has jax, flax, optax and orbax-checkpoint but neither ml_collections nor
@@ -33,7 +34,7 @@ mkdir -p "$OUT"
 export GNMR_JAX_DATA_DIR=${GNMR_JAX_DATA_DIR:-$PWD/.gpu_data}
 . "$(dirname "$0")/device_env.sh"  # wheels, PYTHONPATH, $OUT/env.txt
 
-ARMS=${ARMS:-delayed,saturation,paper}
+ARMS=${ARMS:-delayed,saturation_all,paper}
 LIMIT=${SECONDS_PER_ARM:-180}
 . "$(dirname "$0")/device_arms.sh"
 run_arms delayed_regime h16gpu

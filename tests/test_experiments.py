@@ -326,7 +326,8 @@ def test_delayed_regime_counts_saturation_events_and_their_coverage(tmp_path):
                    'units_with_events': 3, 'events_after_step_50': 0, 'covered_1': 1,
                    'covered_2': 2, 'covered_2plus_at_next': 1, 'norm_alarm_paper': 1,
                    'norm_alarm_default': 0, 'recovered_unit_steps': 2,
-                   'events_2plus_after_warmup': 1, 'covered_2plus_after_warmup': 1}
+                   'events_2plus_after_warmup': 1, 'covered_2plus_after_warmup': 1,
+                   'most_units_recovered_in_a_step': 2}
   # After a warmup of 3 steps the 2-step event (from step 3) is not counted.
   late = delayed_regime.event_stats(str(tmp_path), warmup=3)
   assert (late['events_2plus_after_warmup'], late['covered_2plus_after_warmup']) == (0, 0)
@@ -341,6 +342,11 @@ def test_delayed_regime_answer_compares_runtime_arms_with_the_best_static_arm_pa
   for arm, values in losses.items():
     for seed, loss in enumerate(values):
       row = {'seed': seed, 'eval_loss': loss}
+      if arm in ('saturation', 'hindsight'):  # what each mask spent, 3 seeds of 1000 unit-steps
+        row.update(unit_steps=1000, recovered_unit_steps=40 if arm == 'hindsight' else 10 + seed,
+                   most_units_recovered_in_a_step=4 if arm == 'hindsight' else 3 + seed)
+      if arm == 'saturation':  # 2 events of >= 2 steps a seed, the mask at the 2nd of one
+        row.update(events_2plus=2, covered_2plus_at_next=1)
       if arm == 'delayed':
         row.update(events=10, events_2plus=1, unit_steps=1000, norm_alarm_paper=2,
                    norm_alarm_default=1)
@@ -350,7 +356,10 @@ def test_delayed_regime_answer_compares_runtime_arms_with_the_best_static_arm_pa
   assert lines[0] == ("h16: best static arm at the budget: 'hindsight' (lowest mean final loss "
                       "over the 3 seeds [0, 1, 2] of ['hindsight', 'delayed']).")
   # saturation - hindsight: -0.02, -0.03, -0.02 -> mean -0.0233, SE 0.0033: beats it
-  assert "'saturation' minus 'hindsight': -0.0233 +- 0.0033 nats (n=3): beats it" in lines[2]
+  assert lines[2] == ("- 'saturation' minus 'hindsight': -0.0233 +- 0.0033 nats (n=3): beats it "
+                      "by more than 2 SE; recovers 1.10% of unit-steps, at most 5 units in a step "
+                      "('hindsight': recovers 4.00% of unit-steps, at most 4 units in a step); its "
+                      "mask reached 3 of the 6 events of >= 2 steps at their 2nd step.")
   # alarm - hindsight: +0.005, +0.005, -0.005 -> mean +0.0017, SE 0.0033: no difference
   assert "'alarm' minus 'hindsight': +0.0017 +- 0.0033 nats (n=3): does not differ" in lines[1]
   assert '30 saturation events, 10.0 per 1000 unit-steps; 90.0% of them last one step' in lines[3]
@@ -377,6 +386,10 @@ def test_delayed_regime_arms_validate_and_run_what_they_name(monkeypatch):
         assert low.amax_history_length == length
       assert (low.mode == 'gnmr') == (arm in delayed_regime.ROUTED + ('hindsight', 'last_blocks'))
   assert delayed_regime.arm_config('h16', 'saturation', 0).gnmr.priority == 'saturation'
+  # every saturated unit (56 = 7 projections x 8 layers) for the one step after, from step 1
+  everything = delayed_regime.arm_config('h16', 'saturation_all', 0).gnmr
+  assert (everything.priority, everything.t_lock, everything.max_o, everything.warmup) == (
+      'saturation', 0, 56, 0)
 
 
 def test_delayed_regime_gpu_regime_is_h16_at_the_60m_size_and_smoke_stays_apart(tmp_path,
