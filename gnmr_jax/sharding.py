@@ -228,6 +228,20 @@ def param_shardings(model: nn.Module, mesh: Mesh, rules: LogicalRules | None = N
       logical_param_specs(model, tokens_shape), mesh, rules)
 
 
+def abstract_params_and_shardings(model: nn.Module, mesh: Mesh,
+                                  rules: LogicalRules | None = None,
+                                  tokens_shape: tuple[int, int] = (1, 1)):
+  """(abstract p, NamedShardings mirroring p) from one abstract init: p's shapes and dtypes as
+  `init_unboxed` makes them, and `param_shardings`, without tracing the model twice."""
+  rules = default_logical_rules() if rules is None else rules
+  boxed = _abstract_variables(model, tokens_shape)['params']
+  specs = nn.get_partition_spec(boxed)
+  abstract = jax.tree_util.tree_map(
+      lambda x: x.value if isinstance(x, nn.Partitioned) else x, boxed,
+      is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  return abstract, nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
 def init_params(model: nn.Module, rng: jax.Array, mesh: Mesh,
                 rules: LogicalRules | None = None,
                 tokens_shape: tuple[int, int] = (1, 1)):

@@ -62,6 +62,7 @@ class Run:
   faults: Any = None    # gnmr_jax.faults.FaultInjector when config.faults is on, else None
   spec: Optional[StepSpec] = None  # what train_step / eval_step were jitted with
   task: Any = None      # the task replacing the language-model objective, or None
+  abstract_state: Any = None  # init_state's output as ShapeDtypeStructs (no shardings)
 
 
 VOCAB_MULTIPLE = 64
@@ -134,8 +135,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
 
   perturbation = float(config.train.get("init_perturbation", 0.0))
 
-  def init_state(rng):
-    params = sharding.init_unboxed(model, rng, jnp.zeros((1, seq_len), jnp.int32))
+  def state_of(params, rng):
     if perturbation:  # the noise floor of a seed: the same init but for ~one rounding
       keys = jax.random.split(jax.random.fold_in(rng, 2), len(jax.tree_util.tree_leaves(params)))
       params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), [
@@ -146,11 +146,17 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
                       amax_history=(init_amax_history(model_config, policy.amax_history_length)
                                     if policy.takes_history else None))
 
+  def init_state(rng):
+    return state_of(sharding.init_unboxed(model, rng, jnp.zeros((1, seq_len), jnp.int32)), rng)
+
   # An abstract key: nothing concrete is created under the mesh, whose devices may be a
   # topology's that cannot run (gnmr_jax.aot compiles for accelerators on a CPU host).
   abstract_key = jax.eval_shape(lambda: jax.random.key(0))
   with sharding.activation_sharding(mesh):
-    abstract = jax.eval_shape(init_state, abstract_key)  # the language-model state
+    # one abstract init of the model gives p's shapes and its shardings
+    abstract_params, param_sh = sharding.abstract_params_and_shardings(
+        model, mesh, tokens_shape=(1, seq_len))
+    abstract = jax.eval_shape(state_of, abstract_params, abstract_key)  # the LM state
   layout = units_lib.layout_of(abstract.params, config.gnmr.units or None,
                                config.gnmr.layer_axis or None)
   injector = faults_lib.make_injector(config, layout)
@@ -161,8 +167,6 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
                   injector=injector, probe=probe, recovery_model=recovery_model,
                   swap_model=swap_model, grad_accum_steps=accum_steps)
   if task is None:  # the language-model objective: sharded params and optimizer state
-    with sharding.activation_sharding(mesh):
-      param_sh = sharding.param_shardings(model, mesh, tokens_shape=(1, seq_len))
     state_sh = TrainState(
         step=replicated, params=param_sh,
         opt_state=sharding.opt_state_shardings(abstract.opt_state, abstract.params, param_sh,
@@ -192,7 +196,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
              tx=tx, mesh=mesh, state_shardings=state_sh, batch_sharding=batch_sh,
              init_state=init_fn, train_step=train_step, eval_step=eval_step,
              unit_names=layout.names() if config.gnmr.enabled else [], faults=injector,
-             spec=spec, task=task)
+             spec=spec, task=task, abstract_state=abstract)
 
 
 def _gap_probe(config, model_config, policy, device):
@@ -294,8 +298,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
   fingerprint = checkpointing.config_fingerprint(config, run.data.vocab_size)
   train_iter = run.data.train_iterator()
   with sharding.activation_sharding(run.mesh):
-    abstract = jax.eval_shape(run.init_state, jax.random.key(config.train.seed))
-    restored = ckpt.restore(checkpointing.abstract_like(abstract, run.state_shardings),
+    restored = ckpt.restore(checkpointing.abstract_like(run.abstract_state, run.state_shardings),
                             fingerprint)
     task_fields = {}
     if restored is None:

@@ -133,11 +133,9 @@ def build_abstract(config: ml_collections.ConfigDict, devices: Sequence[Any]):
     raise ValueError(f'config.mesh does not fit the target\'s {len(devices)} devices: {e}; '
                      f'set --config.mesh.* (e.g. --config.mesh.fsdp=-1)') from e
   run = train_loop.build(config, data=_AbstractData(config.data), mesh=mesh)
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  abstract = jax.eval_shape(run.init_state, key)
   state = jax.tree_util.tree_map(
       lambda leaf, sharding_: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding_),
-      abstract, run.state_shardings)
+      run.abstract_state, run.state_shardings)
   shape = (config.data.batch_size, config.data.seq_len)
   batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding)
            for name in ('inputs', 'targets')}

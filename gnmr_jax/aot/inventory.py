@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import re
 
@@ -545,7 +546,16 @@ def _logical_lines(hlo_text: str) -> list[str]:
 
 
 def parse(hlo_text: str) -> Inventory:
-  """The inventory of an optimized HLO module's text."""
+  """The inventory of an optimized HLO module's text.
+
+  The last few texts' inventories are kept (a report, its step-time projection and a test
+  read the same program): the same text returns the same Inventory, to be read, not changed.
+  """
+  return _parse_cached(hlo_text)
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_cached(hlo_text: str) -> Inventory:
   instructions, computations, entry, current = {}, {}, None, None
   for line in _logical_lines(hlo_text):
     header = _COMPUTATION.match(line)
