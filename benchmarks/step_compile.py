@@ -57,7 +57,7 @@ def config_for(name: str, split: bool):
 def compile_once(config):
   """(seconds, fusions) of one fresh XLA compile of the jitted train step."""
   run = train_loop.build(config, data=_Shapes(), devices=jax.devices()[:1])
-  state = jax.eval_shape(run.init_state, jax.random.key(0))
+  state = run.abstract_state
   tokens = jax.ShapeDtypeStruct((config.data.batch_size, config.data.seq_len), jnp.int32)
   lowered = run.train_step.lower(state, {"inputs": tokens, "targets": tokens})
   start = time.perf_counter()

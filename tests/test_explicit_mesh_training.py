@@ -335,7 +335,7 @@ def restore_newest(workdir, run):
   result): (step, host arrays, the restored leaves' shardings)."""
   ckpt = checkpointing.Checkpointer(workdir, 2)
   with sharding.activation_sharding(run.mesh):
-    abstract = jax.eval_shape(run.init_state, jax.random.key(0))
+    abstract = run.abstract_state
     step, state, _ = ckpt.restore(checkpointing.abstract_like(abstract, run.state_shardings),
                                   checkpointing.config_fingerprint(run.config,
                                                                    run.data.vocab_size))

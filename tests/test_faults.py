@@ -161,7 +161,7 @@ def test_nan_loss_raises_after_n_steps_with_last_good_checkpoint(tmp_path, data,
   for name, config in (("good", good), ("bad", bad)):
     run = train_loop.build(config, data=dataset, devices=jax.devices()[:1])
     ckpt = checkpointing.Checkpointer(str(tmp_path / name), 2)
-    abstract = jax.eval_shape(run.init_state, jax.random.key(0))
+    abstract = run.abstract_state
     step, state, _ = ckpt.restore(checkpointing.abstract_like(abstract, run.state_shardings),
                                   checkpointing.config_fingerprint(run.config, dataset.vocab_size))
     ckpt.close()

@@ -93,7 +93,7 @@ def test_two_processes_match_one_process_with_two_devices(tmp_path, data_dirs, r
     run = train_loop.build(config, data=data, devices=jax.devices()[:1])
     ckpt = checkpointing.Checkpointer(w, 2)
     assert sorted(ckpt.manager.all_steps()) == [4, STEPS]
-    abstract = jax.eval_shape(run.init_state, jax.random.key(0))
+    abstract = run.abstract_state
     step, state, _ = ckpt.restore(checkpointing.abstract_like(abstract, run.state_shardings),
                                   checkpointing.config_fingerprint(run.config, data.vocab_size))
     ckpt.close()

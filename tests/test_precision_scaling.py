@@ -253,7 +253,7 @@ def test_delayed_histories_train_checkpoint_and_resume_bit_for_bit(tmp_path, dat
   states = []
   for name in ('a', 'b'):
     ckpt = train_loop.checkpointing.Checkpointer(str(tmp_path / name), 2)
-    abstract = jax.eval_shape(run.init_state, jax.random.key(0))
+    abstract = run.abstract_state
     fingerprint = train_loop.checkpointing.config_fingerprint(run.config, data.vocab_size)
     step, restored, _ = ckpt.restore(
         train_loop.checkpointing.abstract_like(abstract, run.state_shardings), fingerprint)

@@ -30,7 +30,7 @@ def trained(tiny_run):
 def restore(workdir, config, data, make_tx=None, fingerprint_config=None):
   run = train_loop.build(config, data=data, devices=jax.devices()[:1], make_tx=make_tx)
   ckpt = checkpointing.Checkpointer(workdir, 3)
-  abstract = jax.eval_shape(run.init_state, jax.random.key(0))
+  abstract = run.abstract_state
   try:
     out = ckpt.restore(checkpointing.abstract_like(abstract, run.state_shardings),
                        checkpointing.config_fingerprint(fingerprint_config or run.config,

@@ -82,7 +82,7 @@ def trace_train_step(config):
   stub_data = types.SimpleNamespace(vocab_size=256)
   run = train_loop.build(config, data=stub_data, devices=jax.devices()[:1])
   with train_loop.sharding.activation_sharding(run.mesh):
-    state = jax.eval_shape(run.init_state, jax.random.key(0))
+    state = run.abstract_state
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          state, run.state_shardings)
     shape = (config.data.batch_size, config.data.seq_len)

@@ -70,7 +70,7 @@ def final_state(workdir, data_dirs):
   data = make_data(config.data)
   run = train_loop.build(config, data=data, devices=jax.devices()[:1])
   ckpt = checkpointing.Checkpointer(workdir, 2)
-  abstract = jax.eval_shape(run.init_state, jax.random.key(0))
+  abstract = run.abstract_state
   step, state, data_state = ckpt.restore(
       checkpointing.abstract_like(abstract, run.state_shardings),
       checkpointing.config_fingerprint(run.config, data.vocab_size))

@@ -66,7 +66,7 @@ def test_train_py_end_to_end_resume_and_refusal(tmp_path, data_dirs):
 def _state_arrays(workdir, config, data):
   run = train_loop.build(config, data=data, devices=jax.devices()[:1])
   ckpt = train_loop.checkpointing.Checkpointer(workdir, 2)
-  abstract = jax.eval_shape(run.init_state, jax.random.key(0))
+  abstract = run.abstract_state
   fp = train_loop.checkpointing.config_fingerprint(run.config, data.vocab_size)
   step, state, data_state = ckpt.restore(
       train_loop.checkpointing.abstract_like(abstract, run.state_shardings), fp)
