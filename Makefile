@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml requirements.lock
 venv: $(STAMP)
 
 $(AOT_STAMP): $(STAMP) requirements-aot.lock
-	test -x $(AOT_VENV)/bin/python || $(PY) -m venv $(AOT_VENV)
+	test -x $(AOT_VENV)/bin/python || $(PY) -m venv --without-pip $(AOT_VENV)  # uv installs into it
 	$(AOT_VENV)/bin/python scripts/aot_venv_link.py "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	$(UV) pip install -q --python $(AOT_VENV)/bin/python --no-deps -r requirements-aot.lock
 	touch $(AOT_STAMP)
