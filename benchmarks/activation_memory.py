@@ -39,7 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # repo roo
 
 from benchmarks.model_step import init_params, mask_tree  # noqa: E402
 from gnmr_jax import precision  # noqa: E402
-from gnmr_jax.model import Transformer, unit_kernel_shapes  # noqa: E402
+from gnmr_jax.model import UNITS_PER_LAYER, Transformer, unit_kernel_shapes  # noqa: E402
 from gnmr_jax.model_configs import model_config  # noqa: E402
 from gnmr_jax.precision import path as path_lib, quantize, registry, testing  # noqa: E402
 
@@ -161,7 +161,7 @@ def main():
   variants = {'projections keep nothing': dict(mode='static', low_cost_path=NOTHING),
               **VARIANTS}
   rows = table(f'model {args.model} ({args.dtype}): L={cfg.num_layers} d={cfg.d_model} '
-               f'ffn={cfg.ffn_dim}, T={batch}x{seq} tokens, {7 * cfg.num_layers} units',
+               f'ffn={cfg.ffn_dim}, T={batch}x{seq} tokens, {UNITS_PER_LAYER * cfg.num_layers} units',
                lambda p, k: model_bytes(p, k * batch, seq, args.model, args.dtype),
                batch * seq, args.max_o, variants)
   print()

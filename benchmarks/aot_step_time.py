@@ -32,6 +32,7 @@ GOAL = 0.15  # the issue's bound on the anchors' ratio errors
 import aot_compiled  # pylint: disable=g-import-not-at-top,wrong-import-position
 from gnmr_jax.aot import device_specs  # pylint: disable=g-import-not-at-top,wrong-import-position
 from gnmr_jax.aot import step_time  # pylint: disable=g-import-not-at-top,wrong-import-position
+from gnmr_jax.model import UNITS_PER_LAYER  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 # The anchors' ratios: (label, numerator program, denominator program), time / time.
 RATIOS = (
@@ -273,7 +274,7 @@ def compile_projection(c) -> dict:
                                       'seq_len', 'model', 'versions')}
   out.update(cell=c, fits=step['fits'], memory=step.get('memory'), error=step.get('error'),
              compile_s=step.get('compile_s'), conditionals=step.get('conditionals', 0),
-             units=7 * int(config.model.num_layers), max_o=int(config.gnmr.max_o),
+             units=UNITS_PER_LAYER * int(config.model.num_layers), max_o=int(config.gnmr.max_o),
              kernels=step_time.summarize(inventory.parse(hlo)) if hlo else [],
              wall_s=round(time.perf_counter() - start, 1), compiled_on=_stamp())
   return out

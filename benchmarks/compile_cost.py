@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._timing import compile_stats, temp_mib  # noqa: E402
 from benchmarks.model_step import init_params, make_step, mask_tree, policy_for  # noqa: E402
+from gnmr_jax.model import UNITS_PER_LAYER  # noqa: E402
 from gnmr_jax.model_configs import model_config  # noqa: E402
 
 
@@ -59,7 +60,7 @@ def main():
     }
     cells = " | ".join(f"{s:.1f} / {h / 1e3:.0f} / {temp_mib(c):.0f}" for c, s, h in rows.values())
     base, routed = rows["static rolled"], rows["routed"]
-    print(f"{name} | {layers} | {7 * layers} | {cfg.remat} | {cells} | "
+    print(f"{name} | {layers} | {UNITS_PER_LAYER * layers} | {cfg.remat} | {cells} | "
           f"{routed[1] / base[1]:.1f} | {routed[2] / base[2]:.1f} | "
           f"{temp_mib(routed[0]) / temp_mib(base[0]):.1f}")
 

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from gnmr_jax import control
+from gnmr_jax.model import PROJECTIONS, UNITS_PER_LAYER
 
-NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+NAMES = tuple(name for names in PROJECTIONS.values() for name in names)
 
 
 def compile_seconds(transform, params):
@@ -66,8 +67,8 @@ def main():
     for name, make in controllers.items():
       s_sec, s_fus = compile_seconds(make(r"^layers/"), stacked)
       p_sec, p_fus = compile_seconds(make(None), per_layer)
-      print(f"{name} | {layers} | {7 * layers} | {len(NAMES)} / {s_sec:.2f} / {s_fus} | "
-            f"{7 * layers} / {p_sec:.2f} / {p_fus} | {p_sec / s_sec:.1f}", flush=True)
+      print(f"{name} | {layers} | {UNITS_PER_LAYER * layers} | {len(NAMES)} / {s_sec:.2f} / {s_fus} | "
+            f"{UNITS_PER_LAYER * layers} / {p_sec:.2f} / {p_fus} | {p_sec / s_sec:.1f}", flush=True)
 
 
 if __name__ == "__main__":

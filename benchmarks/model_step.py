@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._timing import compile_stats, interleaved_seconds, temp_mib  # noqa: E402
 from gnmr_jax import precision  # noqa: E402
-from gnmr_jax.model import PROJECTIONS, Transformer  # noqa: E402
+from gnmr_jax.model import PROJECTIONS, UNITS_PER_LAYER, Transformer  # noqa: E402
 from gnmr_jax.model_configs import model_config  # noqa: E402
 
 
@@ -100,7 +100,7 @@ def main():
     model_cfg.remat = args.remat
   model_cfg.vocab_size = max(model_cfg.vocab_size, 256)
   L = model_cfg.num_layers
-  n_units = 7 * L
+  n_units = UNITS_PER_LAYER * L
   tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq), 0, model_cfg.vocab_size)
   bf16_model, bf16_step = make_step(model_cfg, policy_for("static", "bf16"))
   params = init_params(bf16_model, args.seq, abstract=args.compile_only)

@@ -126,9 +126,8 @@ def arm_config(regime: str, arm: str, seed: int):
       if name != "saturation":  # it reads no norm history: no warmup
         config.gnmr.warmup = 0
       if name == "saturation_all":  # every saturated unit, for the one step after
-        from gnmr_jax.model import PROJECTIONS  # pylint: disable=g-import-not-at-top
-        units = sum(len(names) for names in PROJECTIONS.values()) * config.model.num_layers
-        config.gnmr.update(t_lock=0, max_o=units)
+        from gnmr_jax.model import UNITS_PER_LAYER  # pylint: disable=g-import-not-at-top
+        config.gnmr.update(t_lock=0, max_o=UNITS_PER_LAYER * config.model.num_layers)
     # 'paper' and 'norms': scenario1's pinned paper controller (common.EXPERIMENT_CONTROLLER)
   elif name == "hindsight":
     config.precision.mode = "gnmr"

@@ -50,6 +50,8 @@ from gnmr_jax.precision import explicit_sharding, side_buffer
 # Projection names per sub-module; each owns a `kernel` of shape [d_in, d_out]
 # per layer ([num_layers, d_in, d_out] stacked).
 PROJECTIONS = {'attn': ('q', 'k', 'v', 'o'), 'mlp': ('gate', 'up', 'down')}
+# The recoverable units of one layer (a projection kernel per layer is a unit): 7.
+UNITS_PER_LAYER = sum(len(names) for names in PROJECTIONS.values())
 # Matches exactly the 7 projection kernels, with or without a 'params/' prefix,
 # under re.search or re.fullmatch on '/'-joined paths.
 PROJECTION_UNITS_REGEX = (
