@@ -40,13 +40,17 @@ the library's default transient alarm: the paper's rule at alpha 4 / beta 3 / t_
 edge rule that a saturated unit is risky), 'paper' (routed, the paper's thresholds alpha 2 / beta
 1.5 / delta 8 / t_lock 5, the same edge rule), 'saturation' (routed, priority 'saturation': the
 saturated units alone, t_lock 1), 'saturation_w0' (the same from step 1: it reads no norm history,
-so it needs no warmup), 'saturation_all' (every unit that saturated, for the one step after
-(t_lock 0, no per-step cap, warmup 0): the mask reaches every event of >= 2 steps at its second
-step, and its mean recovered share, not a per-step cap, is what it spends), 'hindsight' (a static set at the same budget chosen in hindsight: the max_o
-units that saturated most often in 'delayed' seed 0 of the regime, on bf16 for the whole run),
-'last_blocks' (NVIDIA's static recipe: the last layer's 7 units on bf16 for the whole run, 12.5% of
-unit-steps), 'delayed_perturb' (delayed with the initial params times (1 + 1e-7 z): the noise floor
-of a seed). Every routed arm but 'saturation_all': max_o 4 of 56 units (7%), warmup 20.
+so it needs no warmup), 'saturation_all' (every unit that saturated, for the one step after (t_lock
+0, no per-step cap, warmup 0): the mask reaches every event of >= 2 steps at its second step, and
+its mean recovered share, not a per-step cap, is what it spends; its price is the max_o 4 routed
+program's, a lower bound: its own program keeps the recovered units' saved activations in a side
+buffer sized for every unit (56 / 4 = 14x the max_o 4 program's)), 'hindsight' (a static set at the
+same budget chosen in hindsight: the max_o units that saturated most often in 'delayed' seed 0 of
+the regime, on bf16 for the whole run), 'last_blocks' (NVIDIA's static recipe: the last layer's 7
+units on bf16 for the whole run, 12.5% of unit-steps), 'delayed_perturb' (delayed with the initial
+params times (1 + 1e-7 z): the noise floor of a seed). Every routed arm but 'saturation_all': max_o
+4 of 56 units
+(7%), warmup 20.
 """
 
 from __future__ import annotations
@@ -425,7 +429,7 @@ STATIC_AT_BUDGET = ("hindsight", "delayed")  # the budget's static choices (dela
 
 def _spend(rows: dict) -> str:
   """What an arm's mask recovered over its seeds: the share of unit-steps, and the most units
-  in one step where the runs logged it ('' where they logged neither)."""
+  in one step where the runs logged it; '' where they logged no unit-steps."""
   unit_steps = sum(r.get("unit_steps", 0) for r in rows.values())
   if not unit_steps:
     return ""

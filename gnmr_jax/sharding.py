@@ -236,9 +236,11 @@ def abstract_params_and_shardings(model: nn.Module, mesh: Mesh,
   rules = default_logical_rules() if rules is None else rules
   boxed = _abstract_variables(model, tokens_shape)['params']
   specs = nn.get_partition_spec(boxed)
-  abstract = jax.tree_util.tree_map(
-      lambda x: x.value if isinstance(x, nn.Partitioned) else x, boxed,
-      is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  # nn.unbox's boxes, without the sharding constraints it would apply in a mesh context
+  # (these are shapes, not values)
+  abstract = nn.meta.map_axis_meta(
+      lambda box: box.unbox(apply_constraint=False) if isinstance(box, nn.Partitioned)
+      else box.unbox(), boxed)
   return abstract, nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 

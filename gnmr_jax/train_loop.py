@@ -62,7 +62,7 @@ class Run:
   faults: Any = None    # gnmr_jax.faults.FaultInjector when config.faults is on, else None
   spec: Optional[StepSpec] = None  # what train_step / eval_step were jitted with
   task: Any = None      # the task replacing the language-model objective, or None
-  abstract_state: Any = None  # init_state's output as ShapeDtypeStructs (no shardings)
+  abstract_state: Any = None  # init_state's output as ShapeDtypeStructs with state_shardings
 
 
 VOCAB_MULTIPLE = 64
@@ -196,7 +196,8 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
              tx=tx, mesh=mesh, state_shardings=state_sh, batch_sharding=batch_sh,
              init_state=init_fn, train_step=train_step, eval_step=eval_step,
              unit_names=layout.names() if config.gnmr.enabled else [], faults=injector,
-             spec=spec, task=task, abstract_state=abstract)
+             spec=spec, task=task,
+             abstract_state=checkpointing.abstract_like(abstract, state_sh))
 
 
 def _gap_probe(config, model_config, policy, device):
@@ -298,7 +299,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
   fingerprint = checkpointing.config_fingerprint(config, run.data.vocab_size)
   train_iter = run.data.train_iterator()
   with sharding.activation_sharding(run.mesh):
-    restored = ckpt.restore(checkpointing.abstract_like(run.abstract_state, run.state_shardings),
+    restored = ckpt.restore(run.abstract_state,
                             fingerprint)
     task_fields = {}
     if restored is None:

@@ -4,9 +4,10 @@
 # GPU: --regimes h16gpu. By default the arms that decide the issue in one 600 s call: static fp8
 # with delayed scaling (no recovery; its log is the event census and the norm-alarm check),
 # the saturation-reading controller uncapped (saturation_all: every saturated unit the step
-# after), the paper's rule; a second call with ARMS=bf16,alarm,hindsight,saturation adds the
-# rest (finished arms are skipped on the same warm
-# machine; an arm cut by its limit ends with SIGTERM's checkpoint and resumes from it).
+# after), the paper's rule; a second call with ARMS=bf16,alarm,hindsight,saturation and a third
+# with ARMS=row,tensor,saturation_w0,last_blocks,delayed_perturb add the rest (finished arms are
+# skipped on the same warm machine; an arm cut by its limit ends with SIGTERM's checkpoint and
+# resumes from it).
 #
 # The device image has jax, flax, optax and orbax-checkpoint but neither ml_collections nor
 # TFDS. Once, here, in the repo root:

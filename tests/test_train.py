@@ -185,3 +185,31 @@ def test_model_that_does_not_divide_over_the_mesh_is_refused(data_dirs):
   config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, 1, 8
   with pytest.raises(ValueError, match="num_heads"):
     train_loop.build(config, data=make_data(config.data))
+
+
+@pytest.mark.parametrize("axis_types, mesh, perturbation, routed", [
+    ("auto", (1, 1, 1), 0.0, False),          # one device, static
+    ("auto", (1, 1, 1), 1e-7, True),          # the noise floor's perturbed init, routed
+    ("explicit", (2, 2, 2), 0.0, True),       # data x fsdp x tensor, explicit axes
+])
+def test_run_abstract_state_is_the_init_states_shapes_with_the_state_shardings(
+    axis_types, mesh, perturbation, routed):
+  # build() takes the params' shapes and shardings from one abstract init of the model: they
+  # must be what the jitted init_state makes, leaf for leaf, and carry run.state_shardings.
+  import types  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config("runlocal")
+  config.mesh.axis_types = axis_types
+  config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh
+  config.data.batch_size = 8
+  config.train.init_perturbation = perturbation
+  config.precision.mode = "gnmr" if routed else "static"
+  run = train_loop.build(config, data=types.SimpleNamespace(vocab_size=256),
+                         devices=jax.devices()[:int(np.prod(mesh))])
+  with train_loop.sharding.activation_sharding(run.mesh):
+    traced = jax.eval_shape(run.init_state, jax.random.key(0))
+  want, structure = jax.tree_util.tree_flatten(traced)
+  got, got_structure = jax.tree_util.tree_flatten(run.abstract_state)
+  assert got_structure == structure
+  assert [(g.shape, g.dtype) for g in got] == [(w.shape, w.dtype) for w in want]
+  shardings = jax.tree_util.tree_leaves(run.state_shardings)
+  assert [g.sharding for g in got] == shardings and len(shardings) == len(got)

@@ -133,9 +133,7 @@ def build_abstract(config: ml_collections.ConfigDict, devices: Sequence[Any]):
     raise ValueError(f'config.mesh does not fit the target\'s {len(devices)} devices: {e}; '
                      f'set --config.mesh.* (e.g. --config.mesh.fsdp=-1)') from e
   run = train_loop.build(config, data=_AbstractData(config.data), mesh=mesh)
-  state = jax.tree_util.tree_map(
-      lambda leaf, sharding_: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding_),
-      run.abstract_state, run.state_shardings)
+  state = run.abstract_state  # with the state's shardings
   shape = (config.data.batch_size, config.data.seq_len)
   batch = {name: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=run.batch_sharding)
            for name in ('inputs', 'targets')}
