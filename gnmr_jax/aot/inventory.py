@@ -433,6 +433,36 @@ def _branches(instruction: Instruction) -> list[str]:
   return [m.group(1) for m in (false, true) if m]  # indexed by the predicate's value
 
 
+def _walk(instructions: dict, computations: dict, entry: str, trip, callees):
+  """The call graph from `entry` as a device runs it, the one walk of the module: yields
+  (name, instruction, computation, executions, branch, in_loop) for each instruction of every
+  computation reached, before what it calls. A while loop's body and condition run
+  `trip(name, instruction, condition)` times (None: once) and are in a loop; a conditional's
+  branches extend `branch` (the path of (conditional, index)); any other instruction's callees
+  are what `callees(instruction)` names.
+  """
+  def walk(computation, times, branch, in_loop, depth):
+    if depth > 64:
+      raise ValueError('HLO call graph deeper than 64 levels')
+    for name in computations.get(computation, ()):
+      instruction = instructions[name]
+      yield name, instruction, computation, times, branch, in_loop
+      if instruction.opcode == 'while':
+        body = re.search(r'\bbody=%([\w.\-]+)', instruction.attributes).group(1)
+        cond = re.search(r'\bcondition=%([\w.\-]+)', instruction.attributes).group(1)
+        inner = times * (trip(name, instruction, cond) or 1)
+        yield from walk(body, inner, branch, True, depth + 1)
+        yield from walk(cond, inner, branch, True, depth + 1)
+      elif instruction.opcode == 'conditional':
+        for index, callee in enumerate(_branches(instruction)):
+          yield from walk(callee, times, branch + ((name, index),), in_loop, depth + 1)
+      else:
+        for callee in callees(instruction):
+          yield from walk(callee, times, branch, in_loop, depth + 1)
+
+  return walk(entry, 1, (), False, 0)
+
+
 def _gemm_kind(instruction: Instruction) -> str | None:
   if instruction.opcode == 'custom-call':
     target = _TARGET.search(instruction.attributes)
@@ -593,33 +623,19 @@ def _parse_cached(hlo_text: str) -> Inventory:
 
   gemms, conditionals, loops, collectives, attention = [], {}, {}, [], []
   executions = collections.Counter()
-  branch_of = {}
+  branch_of = {}  # branch: the path of (conditional, index) to an instruction
 
-  def walk(computation, times, branch, depth=0):  # branch: the path of (conditional, index)
-    if depth > 64:
-      raise ValueError('HLO call graph deeper than 64 levels')
-    for name in computations.get(computation, ()):
-      instruction = instructions[name]
-      executions[name] += times
-      if name not in branch_of:
-        branch_of[name] = branch
-      if instruction.opcode == 'while':
-        body = re.search(r'\bbody=%([\w.\-]+)', instruction.attributes).group(1)
-        cond = re.search(r'\bcondition=%([\w.\-]+)', instruction.attributes).group(1)
-        trip = _TRIP.search(instruction.attributes)
-        loops[name] = int(trip.group(1)) if trip else _counted_trip(cond)
-        inner = times * (loops[name] or 1)
-        walk(body, inner, branch, depth + 1)
-        walk(cond, inner, branch, depth + 1)
-      elif instruction.opcode == 'conditional':
-        conditionals[name] = _branches(instruction)
-        for index, callee in enumerate(conditionals[name]):
-          walk(callee, times, branch + ((name, index),), depth + 1)
-      else:
-        for callee in _callees(instruction):
-          walk(callee, times, branch, depth + 1)
+  def trip(name, instruction, condition):
+    known = _TRIP.search(instruction.attributes)
+    loops[name] = int(known.group(1)) if known else _counted_trip(condition)
+    return loops[name]
 
-  walk(entry, 1, ())
+  for name, instruction, _, times, branch, _ in _walk(instructions, computations, entry, trip,
+                                                      _callees):
+    executions[name] += times
+    branch_of.setdefault(name, branch)
+    if instruction.opcode == 'conditional':
+      conditionals[name] = _branches(instruction)
   for name, count in executions.items():
     instruction = instructions[name]
     kind = _gemm_kind(instruction)
@@ -819,57 +835,44 @@ def kernels(inventory: Inventory) -> list[Kernel]:
     return found
 
   out = []
+  # A fusion or custom call is one kernel: only calls are walked into (control flow always is).
+  sites = _walk(instructions, inventory.computations, inventory.entry,
+                lambda name, instruction, condition: inventory.loops.get(name),
+                lambda instruction: (_callees(instruction)
+                                     if instruction.opcode in ('call', 'async-start') else ()))
+  for name, instruction, computation, times, branch, in_loop in sites:
+    opcode = instruction.opcode
+    if opcode == 'conditional':
+      # the predicate's read and the branch launch: a kernel site of its own
+      out.append(Kernel(name, opcode, computation, times, branch, in_loop, 0.0, 0.0))
+      continue
+    if opcode in ('while', 'call', 'async-start') or opcode in _NO_KERNEL or (
+        opcode.endswith('-done')):
+      continue
+    target = _TARGET.search(instruction.attributes) if opcode == 'custom-call' else None
+    if target and target.group(1) in _NO_KERNEL_TARGETS:
+      continue
+    if opcode == 'fusion':
+      read, written = _fused_traffic(inventory, instruction)
+      callee = re.search(r'\bcalls=%([\w.\-]+)', instruction.attributes)
+      inner_gemms = fused_gemms(callee.group(1)) if callee else []
+    else:
+      read = sum(_array_bytes(instructions[o].type) for o in instruction.operands
+                 if o in instructions)
+      written = _array_bytes(instruction.type)
+      inner_gemms = [g for g in gemms_in.get(computation, ()) if g.instruction == name]
+      if inner_gemms and arrays(instruction.type):
+        # a library GEMM: its first result (a tuple adds the workspace, never read back)
+        dtype, shape = arrays(instruction.type)[0]
+        written = float(math.prod(shape) * dtype_bytes(dtype))
+    largest = max(inner_gemms, key=lambda g: g.flops, default=None)
+    op_name = _OP_NAME.search(instruction.attributes)
+    call = attention_calls.get(name)
+    out.append(Kernel(
+        name, opcode, computation, times, branch, in_loop, read, written,
+        call.flops if call else sum(g.flops for g in inner_gemms),
+        f'{largest.lhs} x {largest.rhs} -> {largest.result}' if largest else '',
+        frozenset(_all_dtypes(inventory, instruction)), op_name.group(1) if op_name else '',
+        f'{call.kind.kernel} {call.kind.phase}' if call else '', call.seq_kv if call else 0))
 
-  def walk(computation, times, branch, in_loop, depth=0):
-    if depth > 64:
-      raise ValueError('HLO call graph deeper than 64 levels')
-    for name in inventory.computations.get(computation, ()):
-      instruction = instructions[name]
-      opcode = instruction.opcode
-      if opcode == 'while':
-        body = re.search(r'\bbody=%([\w.\-]+)', instruction.attributes).group(1)
-        cond = re.search(r'\bcondition=%([\w.\-]+)', instruction.attributes).group(1)
-        inner = times * (inventory.loops.get(name) or 1)
-        walk(body, inner, branch, True, depth + 1)
-        walk(cond, inner, branch, True, depth + 1)
-        continue
-      if opcode == 'conditional':
-        # the predicate's read and the branch launch: a kernel site of its own
-        out.append(Kernel(name, opcode, computation, times, branch, in_loop, 0.0, 0.0))
-        for index, callee in enumerate(inventory.conditionals.get(name, ())):
-          walk(callee, times, branch + ((name, index),), in_loop, depth + 1)
-        continue
-      if opcode in ('call', 'async-start'):
-        for callee in _callees(instruction):
-          walk(callee, times, branch, in_loop, depth + 1)
-        continue
-      if opcode in _NO_KERNEL or opcode.endswith('-done'):
-        continue
-      target = _TARGET.search(instruction.attributes) if opcode == 'custom-call' else None
-      if target and target.group(1) in _NO_KERNEL_TARGETS:
-        continue
-      if opcode == 'fusion':
-        read, written = _fused_traffic(inventory, instruction)
-        callee = re.search(r'\bcalls=%([\w.\-]+)', instruction.attributes)
-        inner_gemms = fused_gemms(callee.group(1)) if callee else []
-      else:
-        read = sum(_array_bytes(instructions[o].type) for o in instruction.operands
-                   if o in instructions)
-        written = _array_bytes(instruction.type)
-        inner_gemms = [g for g in gemms_in.get(computation, ()) if g.instruction == name]
-        if inner_gemms and arrays(instruction.type):
-          # a library GEMM: its first result (a tuple adds the workspace, never read back)
-          dtype, shape = arrays(instruction.type)[0]
-          written = float(math.prod(shape) * dtype_bytes(dtype))
-      largest = max(inner_gemms, key=lambda g: g.flops, default=None)
-      op_name = _OP_NAME.search(instruction.attributes)
-      call = attention_calls.get(name)
-      out.append(Kernel(
-          name, opcode, computation, times, branch, in_loop, read, written,
-          call.flops if call else sum(g.flops for g in inner_gemms),
-          f'{largest.lhs} x {largest.rhs} -> {largest.result}' if largest else '',
-          frozenset(_all_dtypes(inventory, instruction)), op_name.group(1) if op_name else '',
-          f'{call.kind.kernel} {call.kind.phase}' if call else '', call.seq_kv if call else 0))
-
-  walk(inventory.entry, 1, (), False)
   return out
