@@ -49,8 +49,7 @@ same budget chosen in hindsight: the max_o units that saturated most often in 'd
 the regime, on bf16 for the whole run), 'last_blocks' (NVIDIA's static recipe: the last layer's 7
 units on bf16 for the whole run, 12.5% of unit-steps), 'delayed_perturb' (delayed with the initial
 params times (1 + 1e-7 z): the noise floor of a seed). Every routed arm but 'saturation_all': max_o
-4 of 56 units
-(7%), warmup 20.
+4 of 56 units (7%), warmup 20.
 """
 
 from __future__ import annotations

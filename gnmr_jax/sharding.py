@@ -223,9 +223,7 @@ def logical_param_specs(model: nn.Module, tokens_shape: tuple[int, int] = (1, 1)
 def param_shardings(model: nn.Module, mesh: Mesh, rules: LogicalRules | None = None,
                     tokens_shape: tuple[int, int] = (1, 1)):
   """NamedShardings mirroring p (the unboxed 'params' collection)."""
-  rules = default_logical_rules() if rules is None else rules
-  return nn.logical_to_mesh_sharding(
-      logical_param_specs(model, tokens_shape), mesh, rules)
+  return abstract_params_and_shardings(model, mesh, rules, tokens_shape)[1]
 
 
 def abstract_params_and_shardings(model: nn.Module, mesh: Mesh,

@@ -29,10 +29,10 @@ _CACHE_MODE = {"1": "machine"}.get(_CACHE_MODE, _CACHE_MODE)  # '1': on, as befo
 if _CACHE_MODE not in CACHE_MODES:
   raise ValueError(f"GNMR_TEST_COMPILATION_CACHE={_CACHE_MODE!r}; valid: {list(CACHE_MODES)}")
 _OUR_CACHE_DIR = None  # set below; only a cache this file chose is ever pruned
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _CACHE_MODE != "0":
   if _CACHE_MODE == "clone":
-    _cache_root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               ".pytest_cache")
+    _cache_root = os.path.join(_REPO, ".pytest_cache")
   else:
     _cache_root = os.environ.get("GNMR_JAX_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "gnmr_jax")
@@ -117,7 +117,6 @@ import pytest  # noqa: E402  (after XLA_FLAGS on purpose)
 # compilation cache, like it kept across runs on a machine ('clone': in the clone; '0': a fresh
 # temporary directory per test worker); tests/test_data_*.py prepare their own from scratch.
 _DATA_ROOT = None if _CACHE_MODE == "0" else os.path.join(_cache_root, "test_data")
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def data_key() -> str:
@@ -226,8 +225,7 @@ def _xla_optimizations_as_marked(request):
 # prints the totals at the end of the run, and the XLA compilations per jitted function (how many,
 # how many the persistent cache served, seconds). Off by default: it only observes.
 _REPORT = os.environ.get("GNMR_TEST_COMPILE_REPORT", "0") != "0"
-_REPORT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           ".pytest_cache", "compile_report")
+_REPORT_DIR = os.path.join(_REPO, ".pytest_cache", "compile_report")
 _EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
            "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
            "/jax/core/compile/backend_compile_duration": "compile"}

@@ -846,8 +846,7 @@ def kernels(inventory: Inventory) -> list[Kernel]:
       # the predicate's read and the branch launch: a kernel site of its own
       out.append(Kernel(name, opcode, computation, times, branch, in_loop, 0.0, 0.0))
       continue
-    if opcode in ('while', 'call', 'async-start') or opcode in _NO_KERNEL or (
-        opcode.endswith('-done')):
+    if opcode in _NO_KERNEL or opcode == 'async-start' or opcode.endswith('-done'):
       continue
     target = _TARGET.search(instruction.attributes) if opcode == 'custom-call' else None
     if target and target.group(1) in _NO_KERNEL_TARGETS:
