@@ -190,6 +190,34 @@ def project_step_time(hlo_text: str, report: dict, model_config) -> dict:
                                path=precision['low_cost_path'], mode=precision['mode'])
 
 
+def source_roots() -> tuple[str, ...]:
+  """The directories holding jax's and gnmr_jax's packages (the checkout, the venv)."""
+  import gnmr_jax  # pylint: disable=g-import-not-at-top
+  packages = (jax, gnmr_jax)
+  return tuple(sorted({os.path.dirname(os.path.dirname(os.path.abspath(p.__file__)))
+                       for p in packages}, key=len, reverse=True))
+
+
+def lower_step(jitted, args, mesh):
+  """`jitted` lowered on abstract `args` under `mesh`, its source locations relative to
+  `source_roots()`.
+
+  Pallas kernels (splash attention on TPU) carry their Mosaic body as bytecode with its debug
+  locations inside the lowered program; relative file names keep that text, and so the
+  program cache's key, the same for a checkout in any directory.
+  """
+  from gnmr_jax import sharding  # pylint: disable=g-import-not-at-top
+  pattern = '^(?:' + '|'.join(re.escape(root + os.sep) for root in source_roots()) + ')'
+  previous = jax.config.jax_hlo_source_file_canonicalization_regex
+  jax.config.update('jax_hlo_source_file_canonicalization_regex',
+                    f'{previous}|{pattern}' if previous else pattern)
+  try:
+    with sharding.activation_sharding(mesh):
+      return jitted.trace(*args).lower()
+  finally:
+    jax.config.update('jax_hlo_source_file_canonicalization_regex', previous)
+
+
 def compile_step(jitted, args, mesh, target: targets_lib.Target,
                  cache_dir: str | None = None):
   """(program, lower seconds) of `jitted` on abstract `args` under `mesh`, for `target`.
@@ -200,10 +228,8 @@ def compile_step(jitted, args, mesh, target: targets_lib.Target,
   Raises:
     DoesNotFit: XLA reports the program does not fit the device's memory.
   """
-  from gnmr_jax import sharding  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
-  with sharding.activation_sharding(mesh):
-    lowered = jitted.trace(*args).lower()
+  lowered = lower_step(jitted, args, mesh)
   lower_s = time.perf_counter() - start
   options = GPU_COMPILER_OPTIONS if target.platform == 'gpu' else {}
   entry_key = None

@@ -2,11 +2,15 @@
 on TPU, XLA where no kernel applies; no float32 score buffer where a kernel runs, and no float32
 [B, S, V] logits with the fused loss."""
 
+import base64
 import re
 
 import pytest
 
 from aot_helpers import compiled
+from aot_helpers import tier_config
+from gnmr_jax.aot import compile as compile_lib
+from gnmr_jax.aot import targets as targets_lib
 
 # The tier config in bf16 with 4 query heads over 2 kv heads of 16 (grouped-query attention)
 # and a sequence of 384 = 3 x 128 (splash's block; a length no other dimension has).
@@ -55,3 +59,18 @@ def test_the_report_names_the_kernel_auto_resolved_to_and_the_program_runs_it(ta
   whole = {f'f32[2,{SEQ},{VOCAB}]', f'f32[{2 * SEQ},{VOCAB}]'}
   assert not [i.name for i in inventory.instructions.values()
               if any(shape in i.type for shape in whole)]
+
+
+def test_splash_bodies_name_their_sources_relative_to_the_checkout():
+  """The Mosaic bodies in the lowered TPU program (the program cache's key) carry their debug
+  locations; relative file names keep the key the same for a checkout in any directory."""
+  config = tier_config('static', 'bf16', batch=(2, SEQ), **SHAPE)
+  run, state, batch = compile_lib.build_abstract(
+      config, compile_lib.topology_devices(targets_lib.get_target('v5e-1')))
+  text = compile_lib.lower_step(run.train_step, (state, batch), run.mesh).as_text()
+  bodies = re.findall(r'\\22body\\22: \\22([A-Za-z0-9+/=]+)\\22', text)
+  assert len(bodies) == 3  # splash_mha_fwd, _dq, _dkv
+  for body in bodies:
+    files = set(re.findall(rb'[\w./-]+\.py', base64.b64decode(body)))
+    assert b'jax/experimental/pallas/ops/tpu/splash_attention/splash_attention_kernel.py' in files
+    assert not [f for f in files if f.startswith(b'/')], files
