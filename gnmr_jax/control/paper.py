@@ -131,6 +131,131 @@ def _describe_selector(selector) -> str:
   return f"callable {getattr(selector, '__name__', type(selector).__name__)}"
 
 
+def _zero():  # a fresh buffer each time, so the state can be donated
+  return jnp.zeros((), jnp.int32)
+
+
+def _placeholder_state() -> GNMRState:
+  """optax.tree_map_params calls init with one leafless placeholder and treats every state field
+  equal to it as a params tree. The per-unit fields are not params trees (their leaves are () or
+  (L,)), so they are plain leaves here: tree_map_params hands them to `transform_non_params`."""
+  return GNMRState(_zero(), *(_zero() for _ in range(11)),
+                   telemetry=GNMRTelemetry(*(_zero() for _ in range(8))))
+
+
+def _init_state(layout, delta: int) -> GNMRState:
+  num_units = layout.num_units
+
+  def per_unit(dtype, trailing=()):
+    return layout.values(jnp.zeros((num_units,) + tuple(trailing), dtype))
+
+  return GNMRState(
+      count=_zero(), mask=per_unit(jnp.bool_), lock=per_unit(jnp.int32),
+      gnmr=per_unit(jnp.float32), delta_gnmr=per_unit(jnp.float32),
+      score=per_unit(jnp.float32), risky=per_unit(jnp.bool_),
+      norm=per_unit(jnp.float32), norm_sum=per_unit(jnp.float32),
+      norm_count=per_unit(jnp.int32), window=per_unit(jnp.float32, (delta,)),
+      window_count=per_unit(jnp.int32),
+      telemetry=GNMRTelemetry(jnp.asarray(num_units, jnp.int32), *(_zero() for _ in range(7))))
+
+
+def _held_layout(layout, state):
+  """The layout held in the state, after a static check that init and this update chose the
+  same units (e.g. Flax NNX inits with Variable boxes and updates with bare arrays)."""
+  held = units_lib.unbox(state.window)
+  if not isinstance(held, units_lib.UnitValues):
+    raise ValueError(
+        f"gnmr: the state's per-unit fields are {type(held).__name__}, not UnitValues: a "
+        f"state from another gnmr_jax version (per-unit trees) or one built by hand cannot "
+        f"be updated; start from `init` (checkpoints of the old layout are refused).")
+  if held.layout.unit_shapes() != layout.unit_shapes():
+    got, want = held.layout, layout
+    diffs = [f"{u.path!r}: update {u.unit_shape if u.is_unit else 'not a unit'}, state "
+             f"{h.unit_shape if h.is_unit else 'not a unit'}"
+             for u, h in zip(want, got) if (u.is_unit, u.unit_shape) != (h.is_unit,
+                                                                           h.unit_shape)][:3]
+    raise ValueError(
+        f"gnmr: the update's unit layout differs from the one at init ({len(want)} leaves "
+        f"with {want.num_units} units in the update, {len(got)} leaves with "
+        f"{got.num_units} units in the state; unit shapes differ at {diffs}). The gradients "
+        f"must have the structure of the params given to init.")
+  return held.layout
+
+
+class _Risk(NamedTuple):
+  """One step's statistics, [N] per unit."""
+  norm: jax.Array
+  finite: jax.Array
+  ratio: jax.Array        # GNMR_t
+  delta_ratio: jax.Array  # dGNMR_t
+  risky: jax.Array
+  score: jax.Array
+
+
+def _risk(layout, state: GNMRState, norm, alpha_t, beta_t, delta: int, overflowed) -> _Risk:
+  """GNMR_t, dGNMR_t, the alarm and the score from this step's norms and the history."""
+  norm_sum, norm_count = layout.flat(state.norm_sum), layout.flat(state.norm_count)
+  window = layout.flat(state.window, trailing=1)
+  window_count = layout.flat(state.window_count)
+  finite = jnp.isfinite(norm)
+  hist_mean = norm_sum / jnp.maximum(norm_count, 1).astype(jnp.float32)
+  ratio = _safe_ratio(jnp.where(finite, norm, 0.0), hist_mean)
+  ratio = jnp.where(norm_count > 0, ratio, 1.0)
+  ratio = jnp.where(finite, ratio, jnp.inf)
+  window_len = jnp.minimum(window_count, delta)
+  window_mean = jnp.sum(window, axis=-1) / jnp.maximum(window_len, 1).astype(jnp.float32)
+  delta_ratio = _safe_ratio(jnp.where(finite, ratio, 0.0), window_mean)
+  delta_ratio = jnp.where(window_len > 0, delta_ratio, 1.0)
+  delta_ratio = jnp.where(finite, delta_ratio, jnp.inf)
+
+  risky = (ratio > alpha_t) | (delta_ratio > beta_t) | ~finite
+  score = jnp.where(finite, jnp.maximum(ratio / alpha_t, delta_ratio / beta_t), jnp.inf)
+  # An infinite threshold never scores (research.saturation): inf / inf is no risk, not NaN,
+  # which would rank an overflowed or locked unit below every other.
+  score = jnp.where(jnp.isnan(score), 0.0, score)
+  if overflowed is not None:  # see "Edge rules": a saturated low-cost step is an alarm
+    risky = risky | overflowed
+    score = jnp.where(overflowed, jnp.maximum(score, 1.0), score)
+  return _Risk(norm, finite, ratio, delta_ratio, risky, score)
+
+
+def _next_state(layout, state: GNMRState, risk: _Risk, candidate, selected, new_lock,
+                delta: int) -> GNMRState:
+  """The state after a step: the history, the window, the mask, the lock and the counts."""
+  norm_sum, norm_count = layout.flat(state.norm_sum), layout.flat(state.norm_count)
+  window = layout.flat(state.window, trailing=1)
+  window_count = layout.flat(state.window_count)
+  # Only finite values enter the history (see "Edge rules" above).
+  new_norm_sum = norm_sum + jnp.where(risk.finite, risk.norm, 0.0)
+  new_norm_count = norm_count + risk.finite.astype(jnp.int32)
+  add_to_window = jnp.isfinite(risk.ratio)
+  slot = jax.nn.one_hot(window_count % delta, delta, dtype=jnp.bool_) & add_to_window[:, None]
+  new_window = jnp.where(slot, risk.ratio[:, None], window)
+  new_window_count = window_count + add_to_window.astype(jnp.int32)
+
+  def count(x):
+    return jnp.sum(x, dtype=jnp.int32)
+
+  tel = state.telemetry
+  num_active, num_risky = count(selected), count(risk.risky)
+  telemetry = tel._replace(
+      num_risky=num_risky, num_candidates=count(candidate), num_active=num_active,
+      num_locked=count(new_lock > 0), num_nonfinite=count(~risk.finite),
+      active_unit_steps=tel.active_unit_steps + num_active,
+      risky_unit_steps=tel.risky_unit_steps + num_risky)
+
+  def back(vec, dtype):
+    return layout.values(vec.astype(dtype))
+
+  return GNMRState(
+      count=state.count + 1, mask=back(selected, jnp.bool_), lock=back(new_lock, jnp.int32),
+      gnmr=back(risk.ratio, jnp.float32), delta_gnmr=back(risk.delta_ratio, jnp.float32),
+      score=back(risk.score, jnp.float32), risky=back(risk.risky, jnp.bool_),
+      norm=back(risk.norm, jnp.float32), norm_sum=back(new_norm_sum, jnp.float32),
+      norm_count=back(new_norm_count, jnp.int32), window=back(new_window, jnp.float32),
+      window_count=back(new_window_count, jnp.int32), telemetry=telemetry)
+
+
 def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: int,
          t_lock: int, warmup: int = 0, units=None,
          layer_axis=None) -> optax.GradientTransformationExtraArgs:
@@ -191,139 +316,33 @@ def gnmr(*, alpha: ScalarOrSchedule, beta: ScalarOrSchedule, delta: int, max_o: 
   unit_selector = units_lib.compile_selector(units, "units")
   axis_selector = units_lib.compile_selector(layer_axis, "layer_axis")
 
-  def layout_of(tree):
-    return units_lib.resolve_units(tree, unit_selector, axis_selector)
-
-  def zero():  # a fresh buffer each time, so the state can be donated
-    return jnp.zeros((), jnp.int32)
-
-  def placeholder_state():
-    # optax.tree_map_params calls init with one leafless placeholder and treats
-    # every state field equal to it as a params tree. The per-unit fields are
-    # not params trees (their leaves are () or (L,)), so they are plain leaves
-    # here: tree_map_params hands them to `transform_non_params`.
-    return GNMRState(zero(), *(zero() for _ in range(11)),
-                     telemetry=GNMRTelemetry(*(zero() for _ in range(8))))
-
   def init_fn(params):
     if is_params_placeholder(params):
-      return placeholder_state()
-    layout = layout_of(params)
-    num_units = layout.num_units
-    if num_units == 0:
+      return _placeholder_state()
+    layout = units_lib.resolve_units(params, unit_selector, axis_selector)
+    if layout.num_units == 0:
       raise ValueError(f"gnmr: `units` ({_describe_selector(units)}) selects no leaf, so the "
                        f"controller would never recover anything; leaf paths are e.g. "
                        f"{[u.path for u in layout[:5]]}.")
-
-    def per_unit(dtype, trailing=()):
-      return layout.values(jnp.zeros((num_units,) + tuple(trailing), dtype))
-
-    return GNMRState(
-        count=zero(), mask=per_unit(jnp.bool_), lock=per_unit(jnp.int32),
-        gnmr=per_unit(jnp.float32), delta_gnmr=per_unit(jnp.float32),
-        score=per_unit(jnp.float32), risky=per_unit(jnp.bool_),
-        norm=per_unit(jnp.float32), norm_sum=per_unit(jnp.float32),
-        norm_count=per_unit(jnp.int32), window=per_unit(jnp.float32, (delta,)),
-        window_count=per_unit(jnp.int32),
-        telemetry=GNMRTelemetry(jnp.asarray(num_units, jnp.int32), *(zero() for _ in range(7))))
-
-  def check_layout(layout, state):
-    # A static check that init and this update chose the same units (e.g. Flax NNX inits
-    # with Variable boxes and updates with bare arrays): the layout held in the state against
-    # the gradients'.
-    held = units_lib.unbox(state.window)
-    if not isinstance(held, units_lib.UnitValues):
-      raise ValueError(
-          f"gnmr: the state's per-unit fields are {type(held).__name__}, not UnitValues: a "
-          f"state from another gnmr_jax version (per-unit trees) or one built by hand cannot "
-          f"be updated; start from `init` (checkpoints of the old layout are refused).")
-    if held.layout.unit_shapes() != layout.unit_shapes():
-      got, want = held.layout, layout
-      diffs = [f"{u.path!r}: update {u.unit_shape if u.is_unit else 'not a unit'}, state "
-               f"{h.unit_shape if h.is_unit else 'not a unit'}"
-               for u, h in zip(want, got) if (u.is_unit, u.unit_shape) != (h.is_unit,
-                                                                             h.unit_shape)][:3]
-      raise ValueError(
-          f"gnmr: the update's unit layout differs from the one at init ({len(want)} leaves "
-          f"with {want.num_units} units in the update, {len(got)} leaves with "
-          f"{got.num_units} units in the state; unit shapes differ at {diffs}). The gradients "
-          f"must have the structure of the params given to init.")
-    return held.layout
+    return _init_state(layout, delta)
 
   def update_fn(updates, state, params=None, overflow=None, **extra_args):
     del params, extra_args
     # The rows follow the layout held in the state (made at init), so the state's pytree
     # structure is the same after every update (jit caches, scan carries, donation).
-    layout = check_layout(layout_of(updates), state)
-    step = state.count + 1
-    alpha_t = _eval(alpha, state.count)
-    beta_t = _eval(beta, state.count)
-
-    norm = layout.norms(updates)
-    norm_sum = layout.flat(state.norm_sum)
-    norm_count = layout.flat(state.norm_count)
-    window = layout.flat(state.window, trailing=1)
-    window_count = layout.flat(state.window_count)
+    layout = _held_layout(units_lib.resolve_units(updates, unit_selector, axis_selector), state)
+    risk = _risk(layout, state, layout.norms(updates), _eval(alpha, state.count),
+                 _eval(beta, state.count), delta,
+                 None if overflow is None else layout.flat(overflow).astype(jnp.bool_))
     lock = layout.flat(state.lock)
-
-    finite = jnp.isfinite(norm)
-    hist_mean = norm_sum / jnp.maximum(norm_count, 1).astype(jnp.float32)
-    ratio = _safe_ratio(jnp.where(finite, norm, 0.0), hist_mean)
-    ratio = jnp.where(norm_count > 0, ratio, 1.0)
-    ratio = jnp.where(finite, ratio, jnp.inf)
-    window_len = jnp.minimum(window_count, delta)
-    window_mean = jnp.sum(window, axis=-1) / jnp.maximum(window_len, 1).astype(jnp.float32)
-    delta_ratio = _safe_ratio(jnp.where(finite, ratio, 0.0), window_mean)
-    delta_ratio = jnp.where(window_len > 0, delta_ratio, 1.0)
-    delta_ratio = jnp.where(finite, delta_ratio, jnp.inf)
-
-    risky = (ratio > alpha_t) | (delta_ratio > beta_t) | ~finite
-    score = jnp.where(finite, jnp.maximum(ratio / alpha_t, delta_ratio / beta_t), jnp.inf)
-    # An infinite threshold never scores (research.saturation): inf / inf is no risk, not NaN,
-    # which would rank an overflowed or locked unit below every other.
-    score = jnp.where(jnp.isnan(score), 0.0, score)
-    if overflow is not None:  # see "Edge rules": a saturated low-cost step is an alarm
-      overflowed = layout.flat(overflow).astype(jnp.bool_)
-      risky = risky | overflowed
-      score = jnp.where(overflowed, jnp.maximum(score, 1.0), score)
-    candidate = risky | (lock > 0)
+    candidate = risk.risky | (lock > 0)
     # Top max_o candidates by score; a stable sort keeps tree order among ties.
-    key = jnp.where(candidate, -score, jnp.inf)
-    order = jnp.argsort(key, stable=True)
+    order = jnp.argsort(jnp.where(candidate, -risk.score, jnp.inf), stable=True)
     rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    step = state.count + 1
     selected = candidate & (rank < max_o) & (step > warmup)
-    new_lock = jnp.where(selected & risky, t_lock,
-                         jnp.where(~risky & (lock > 0), lock - 1, lock)).astype(jnp.int32)
-
-    # Only finite values enter the history (see "Edge rules" above).
-    new_norm_sum = norm_sum + jnp.where(finite, norm, 0.0)
-    new_norm_count = norm_count + finite.astype(jnp.int32)
-    add_to_window = jnp.isfinite(ratio)
-    slot = jax.nn.one_hot(window_count % delta, delta, dtype=jnp.bool_) & add_to_window[:, None]
-    new_window = jnp.where(slot, ratio[:, None], window)
-    new_window_count = window_count + add_to_window.astype(jnp.int32)
-
-    def count(x):
-      return jnp.sum(x, dtype=jnp.int32)
-
-    tel = state.telemetry
-    num_active, num_risky = count(selected), count(risky)
-    telemetry = tel._replace(
-        num_risky=num_risky, num_candidates=count(candidate), num_active=num_active,
-        num_locked=count(new_lock > 0), num_nonfinite=count(~finite),
-        active_unit_steps=tel.active_unit_steps + num_active,
-        risky_unit_steps=tel.risky_unit_steps + num_risky)
-
-    def back(vec, dtype):
-      return layout.values(vec.astype(dtype))
-
-    new_state = GNMRState(
-        count=step, mask=back(selected, jnp.bool_), lock=back(new_lock, jnp.int32),
-        gnmr=back(ratio, jnp.float32), delta_gnmr=back(delta_ratio, jnp.float32),
-        score=back(score, jnp.float32), risky=back(risky, jnp.bool_),
-        norm=back(norm, jnp.float32), norm_sum=back(new_norm_sum, jnp.float32),
-        norm_count=back(new_norm_count, jnp.int32), window=back(new_window, jnp.float32),
-        window_count=back(new_window_count, jnp.int32), telemetry=telemetry)
-    return updates, new_state
+    new_lock = jnp.where(selected & risk.risky, t_lock,
+                         jnp.where(~risk.risky & (lock > 0), lock - 1, lock)).astype(jnp.int32)
+    return updates, _next_state(layout, state, risk, candidate, selected, new_lock, delta)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
