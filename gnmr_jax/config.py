@@ -21,8 +21,9 @@ from gnmr_jax.model import PROJECTIONS
 from gnmr_jax.model_configs import default_seq_len, model_config, validate_model_config
 from gnmr_jax.sharding import MESH_FIELDS, default_mesh_config, mesh_axis_types, mesh_shape
 from gnmr_jax.precision.config import default_precision_config, validate_config as validate_precision
-from gnmr_jax.control.config import PRIORITIES, check_priority_fields
-from gnmr_jax.control.priorities import GAP_PRIORITIES, NOISE_GATES, NOISE_RANKS
+from gnmr_jax.control import priority_table
+from gnmr_jax.control.checks import check_regex
+from gnmr_jax.control.config import check_priority_fields, options_of
 from gnmr_jax.optim import SCHEDULES
 
 NONFINITE_POLICIES = ("skip", "zero", "none")
@@ -51,7 +52,7 @@ def gnmr_config() -> ml_collections.ConfigDict:
   # Hard budget: at most this many units on the recovery path per step.
   c.max_o = 4
   # Lock length: a selected risky unit stays a candidate for this many more steps. None: per
-  # priority (control.config.DEFAULT_T_LOCK): 2 for 'gnmr' (the alarm above), 1 for
+  # priority (the priority table's t_lock): 2 for 'gnmr' (the alarm above), 1 for
   # 'saturation', 5 for the others (the paper's, which every other priority was measured with).
   c.t_lock = ml_collections.config_dict.placeholder(int)
   # Steps during which statistics accumulate but nothing is recovered.
@@ -60,7 +61,8 @@ def gnmr_config() -> ml_collections.ConfigDict:
   c.units = r"layers/(attn|mlp)/(q|k|v|o|gate|up|down)/kernel"
   # Regex selecting layer-stacked leaves whose axis-0 slices are separate units.
   c.layer_axis = r"^layers/"
-  # How the max_o units are ranked (gnmr_jax/control/priorities.py): 'norm' (gradient-norm level),
+  # How the max_o units are ranked (gnmr_jax/control/priority_table.py; control.register_priority
+  # adds one, with its own fields here): 'norm' (gradient-norm level),
   # 'gnmr' (the paper's rule: alpha, beta, delta above), 'gap' (measured recovery gap; needs
   # diagnostics.recovery_gap_every > 0), 'relgap' (the norm level times the measured relative
   # gap e_u/||g_rec,u||; needs it too), 'oracle' (the last measured gap alone), 'hybrid' (the
@@ -248,7 +250,10 @@ def _check_keys(config):
   for group in ("train", "optimizer", "gnmr", "checkpoint", "logging", "diagnostics"):
     if group not in config:
       continue
-    extra = sorted(set(config[group].keys()) - set(reference[group].keys()))
+    valid = set(reference[group].keys())
+    if group == "gnmr":  # and the fields of priorities registered since (control.register_priority)
+      valid |= set(priority_table.field_owners())
+    extra = sorted(set(config[group].keys()) - valid)
     if extra:
       raise ValueError(f"config.{group} has unknown fields {extra}; valid fields: "
                        f"{sorted(reference[group].keys())}.")
@@ -258,14 +263,8 @@ def _check_unit_regexes(config):
   """gnmr.units / gnmr.layer_axis compile, and under precision.mode='gnmr' select every
   projection kernel, layer-stacked (the routed model reads one mask bit per projection and layer)."""
   for field in ("units", "layer_axis"):
-    value = config.gnmr[field]
-    if not isinstance(value, str):
-      raise ValueError(f"config.gnmr.{field} must be a regex string ('' for the default), "
-                       f"got {value!r}.")
-    try:
-      re.compile(value)
-    except re.error as e:
-      raise ValueError(f"config.gnmr.{field} is not a valid regex ({value!r}: {e}).") from None
+    check_regex(f"config.gnmr.{field}", config.gnmr[field],
+                "a regex string ('' for the default)")
   if config.precision.mode != "gnmr":
     return
   paths = [f"layers/{group}/{name}/kernel" for group, names in PROJECTIONS.items()
@@ -335,46 +334,16 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     _int(g, "gnmr", "t_lock", 0)
   _int(g, "gnmr", "warmup", 0)
   # A config written before priorities existed means the paper's rule (as optim reads it).
-  priority = _choice(g, "gnmr", "priority", PRIORITIES, "gnmr")
+  priority = _choice(g, "gnmr", "priority", priority_table.names(), "gnmr")
   if "gap_decay" in g:
     _float(g, "gnmr", "gap_decay", 0.0, inclusive=True)
   if g.get("gap_decay", 0.0) >= 1:
     raise ValueError(f"config.gnmr.gap_decay must be in [0, 1), got {g.gap_decay!r}.")
-  fixed_units = g.get("fixed_units", "")
-  if not isinstance(fixed_units, str):
-    raise ValueError(f"config.gnmr.fixed_units must be a regex string, got {fixed_units!r}.")
-  if priority == "fixed" and not fixed_units:
-    raise ValueError("config.gnmr.priority='fixed' recovers the units matching "
-                     "config.gnmr.fixed_units: set it to a regex over unit names (e.g. "
-                     "r'mlp/down').")
-  for field, owner in (("last_blocks", "last_blocks"), ("switch_step", "late_switch")):
-    if field in g:
-      _int(g, "gnmr", field, 0)
-    value = g.get(field, 0)
-    if priority == owner and value < 1:
-      raise ValueError(f"config.gnmr.priority={owner!r} needs config.gnmr.{field} >= 1, got "
-                       f"{value!r}.")
-  for field, choices in (("noise_gate", NOISE_GATES), ("noise_rank", NOISE_RANKS)):
-    _choice(g, "gnmr", field, choices, choices[0])
-  if "noise_upper" in g or "noise_lower" in g:
-    _float(g, "gnmr", "noise_upper")
-    lower = g.get("noise_lower", 1 / 6)
-    if isinstance(lower, bool) or not isinstance(lower, numbers.Real) or not (
-        0 <= lower <= g.noise_upper):
-      raise ValueError(f"config.gnmr.noise_lower must be in [0, config.gnmr.noise_upper="
-                       f"{g.noise_upper!r}], got {lower!r}.")
+  entry = priority_table.get(priority)
+  options_of(g)  # the priority's own fields (the table's checks)
   check_priority_fields(g)  # a field that only another priority reads would be ignored
-  if (priority == "noise" and "diagnostics" in config and
-      config.diagnostics.get("recovery_gap_pass", "recovery") == "recovery"):
-    raise ValueError("config.gnmr.priority='noise' needs every unit re-measured: set "
-                     "config.diagnostics.recovery_gap_pass='uniform' (the 'recovery' pass never "
-                     "re-measures the units in the mask, so none could leave it).")
-  if fixed_units:
-    try:
-      re.compile(fixed_units)
-    except re.error as e:
-      raise ValueError(f"config.gnmr.fixed_units is not a valid regex ({fixed_units!r}: {e})."
-                       ) from None
+  if g.enabled and entry.check_config is not None:
+    entry.check_config(config)
   gap_every = config.diagnostics.recovery_gap_every if "diagnostics" in config else 0
   if "diagnostics" in config:
     _int(config.diagnostics, "diagnostics", "recovery_gap_every", 0)
@@ -395,15 +364,10 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
       raise ValueError("config.diagnostics.recovery_gap_split splits the all-recovered pass: "
                        "use recovery_gap_pass 'recovery' or 'uniform', not 'swapped'.")
     _choice(config.diagnostics, "diagnostics", "recovery_gap_pass", GAP_PASSES, gap_pass)
-  if g.enabled and priority in GAP_PRIORITIES and not gap_every:
+  if g.enabled and entry.reads_gap and not gap_every:
     raise ValueError(f"config.gnmr.priority={priority!r} ranks units by a measured recovery "
                      "gap: set config.diagnostics.recovery_gap_every to K > 0 (measure every K "
                      "steps).")
-  if g.enabled and priority == "saturation" and config.precision.get("scaling") != "delayed":
-    raise ValueError(f"config.gnmr.priority='saturation' reads delayed scaling's saturation: "
-                     f"set config.precision.scaling='delayed' (got "
-                     f"{config.precision.get('scaling')!r}; without delayed scaling nothing "
-                     f"saturates, and 'auto' is resolved per device only when the run is built).")
   if config.precision.mode == "gnmr" and not g.enabled:
     raise ValueError("config.precision.mode='gnmr' needs config.gnmr.enabled=True "
                      "(the recovery mask comes from the controller).")

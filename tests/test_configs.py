@@ -69,12 +69,15 @@ def test_bad_schedule_settings_are_named(field, value, match):
 def test_bad_noise_rank_is_named():
   config = tiny.get_config()
   config.gnmr.noise_rank = "gap"
+  with pytest.raises(ValueError, match=r"config.gnmr.noise_rank='gap' is read by priority 'noise'"):
+    validate_config(config, device_count=1)
+  config.gnmr.priority = "noise"
   with pytest.raises(ValueError, match=r"config.gnmr.noise_rank must be one of \['pi', 'norm'\]"):
     validate_config(config, device_count=1)
 
 
 def test_bad_noise_gate_is_named():
   config = tiny.get_config()
-  config.gnmr.noise_gate = "all"
+  config.gnmr.noise_gate, config.gnmr.priority = "all", "noise"
   with pytest.raises(ValueError, match=r"config.gnmr.noise_gate must be one of \['unit', 'any'\]"):
     validate_config(config, device_count=1)

@@ -142,7 +142,7 @@ def test_fixed_priority_from_config_and_its_config_checks():
   with pytest.raises(ValueError, match="read by priority 'fixed' only"):
     validate_config(config, 1)
   config.gnmr.fixed_units, config.gnmr.priority = "", "last_blocks"
-  with pytest.raises(ValueError, match="config.gnmr.last_blocks >= 1"):
+  with pytest.raises(ValueError, match="config.gnmr.last_blocks must be an integer >= 1"):
     validate_config(config, 1)
   config.gnmr.priority, config.gnmr.switch_step = "norm", 10
   with pytest.raises(ValueError, match="config.gnmr.switch_step=10 is read by priority"):

@@ -15,6 +15,8 @@ import pytest
 MODULES = (
     "gnmr_jax.control.paper",
     "gnmr_jax.control.priorities",
+    "gnmr_jax.control.priority_table",
+    "gnmr_jax.control.static_recipes",
     "gnmr_jax.control.recommended",
     "gnmr_jax.control.research",
     "gnmr_jax.control.recovery_gap",

@@ -283,9 +283,9 @@ def test_orbax_round_trip_and_sharded_state_continue_bitwise(tmp_path):
 
 def test_config_selects_each_priority_and_refuses_a_gap_priority_without_measurements():
   config = base_config("tiny")
-  for priority in control.PRIORITIES:
+  for priority in control.priority_names():
     config.gnmr.priority = priority
-    config.diagnostics.recovery_gap_every = 10 if priority in control.GAP_PRIORITIES else 0
+    config.diagnostics.recovery_gap_every = 10 if control.needs_recovery_gap(priority) else 0
     config.gnmr.fixed_units = "attn/q" if priority == "fixed" else ""  # its set (1 unit)
     config.gnmr.last_blocks = 1 if priority == "last_blocks" else 0
     config.gnmr.switch_step = 5 if priority == "late_switch" else 0

@@ -7,6 +7,7 @@ name) and the allowed values.
 from __future__ import annotations
 
 import numbers
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,16 @@ def check_int(name: str, value, minimum: int, hint: str = "") -> None:
                      f"{value!r}; {hint}.")
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
     raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+def check_regex(name: str, value, expected: str = "a regex string") -> None:
+  """A string that compiles as a regex; ``expected`` describes it in the message."""
+  if not isinstance(value, str):
+    raise ValueError(f"{name} must be {expected}, got {value!r}.")
+  try:
+    re.compile(value)
+  except re.error as e:
+    raise ValueError(f"{name} is not a valid regex ({value!r}: {e}).") from None
 
 
 def check_positive(name: str, value) -> None:

@@ -2,10 +2,11 @@
 
 :func:`gnmr_jax.gnmr` is the paper's rule and stays exactly that. :func:`budgeted` keeps its
 budget (``max_o`` units per step), its warmup and a lock, but ranks the units by one of these
-priorities (each has its constructor, which checks its own arguments:
-:mod:`gnmr_jax.control.recommended` for 'norm' and the static recipes,
-:mod:`gnmr_jax.control.research` for the others; ``config.gnmr.priority`` names them for
-:func:`gnmr_jax.control.from_config`):
+priorities (each a :class:`~gnmr_jax.control.priority_types.Ranked` entry of the table,
+:mod:`gnmr_jax.control.priority_table`, with its ranking defined here; its constructor
+checks its own arguments: :mod:`gnmr_jax.control.recommended` for 'norm',
+:mod:`gnmr_jax.control.research` for the others; the static recipes 'fixed', 'last_blocks'
+and 'late_switch' are their own transform, :mod:`gnmr_jax.control.static_recipes`):
 
   'norm'    the raw gradient-norm level ||g_u(t)||: the units with the largest
             gradients run the recovery path at t + 1. Free: the controller
@@ -61,8 +62,8 @@ Rules shared by every priority ('noise', static recipes: see above), for the mas
 
 so a unit that enters the mask stays in it for at least t_lock + 1 steps (unless
 non-finite units, or for 'hybrid' risky ones, take its place), the active set does not
-thrash between units of nearly equal priority, and a non-finite gradient is recovered at once. Every unit
-is a candidate (these priorities are persistent signals, not alarms), so the mask
+thrash between units of nearly equal priority, and a non-finite gradient is recovered at once.
+Every unit is a candidate (these priorities are persistent signals, not alarms), so the mask
 holds min(max_o, N) units every step after warmup ('fixed': its set).
 
 The state is a :class:`PriorityState` holding a :class:`gnmr_jax.GNMRState` (the
@@ -73,8 +74,7 @@ controller's, so :func:`gnmr_jax.recovery_mask` and the train loop read it uncha
 
 from __future__ import annotations
 
-import re
-from typing import Any, NamedTuple, Optional
+from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -83,18 +83,10 @@ import optax
 from gnmr_jax.control import checks as _checks
 from gnmr_jax.control import paper as gnmr_lib
 from gnmr_jax.control import units as units_lib
+from gnmr_jax.control.priority_types import Field, Ranked, Ranking, Settings, Signals
 
-BUDGETED_PRIORITIES = ("norm", "gap", "relgap", "oracle", "hybrid", "random", "fixed",
-                       "last_blocks", "late_switch", "noise")
-# Static recipes: a set fixed in advance (and, for 'late_switch', a step), no signal, no lock.
-STATIC_PRIORITIES = ("fixed", "last_blocks", "late_switch")
 NOISE_RANKS = ("pi", "norm")  # 'noise': how candidates beyond the alarm are ranked
 NOISE_GATES = ("unit", "any")  # 'noise': a unit's own pi, or any unit's, makes candidates
-# Priorities that need a measured recovery gap from the train step.
-GAP_PRIORITIES = ("gap", "relgap", "oracle", "noise")
-# The paper's thresholds, window and lock: the budgeted controllers' defaults (alpha, beta and
-# delta only feed the telemetry statistics, but for 'hybrid' and 'noise', whose alarm they set).
-PAPER_ALPHA, PAPER_BETA, PAPER_DELTA, PAPER_T_LOCK = 2.0, 1.5, 8, 5
 
 
 class PriorityState(NamedTuple):
@@ -109,189 +101,273 @@ class PriorityState(NamedTuple):
   rec_sq: Any       # float32: EMA of ||g_rec,u||^2; noise_sq / rec_sq is the noise fraction
 
 
-def budgeted(priority: str, *, name: str, max_o: int, t_lock: int, warmup: int, alpha, beta,
-             delta: int, units, layer_axis, gap_decay: float = 0.0, seed: int = 0,
-             fixed_pattern: Optional[re.Pattern] = None, last_blocks: int = 0,
-             switch_step: int = 0, noise_upper: float = 1 / 3, noise_lower: float = 1 / 6,
-             noise_rank: str = "pi",
-             noise_gate: str = "unit") -> optax.GradientTransformationExtraArgs:
+# --- the built-in rankings -------------------------------------------------------------------
+
+
+def _finite_norm(s: Signals):
+  return jnp.where(s.finite, s.norm, 0.0)
+
+
+def _lock_tier(s: Signals):
+  return jnp.where(s.lock > 0, 1, 0)
+
+
+def _rank_norm(s: Signals, options) -> Ranking:
+  del options
+  return Ranking(_finite_norm(s))
+
+
+def _rank_relgap(s: Signals, options) -> Ranking:
+  del options  # the norm level scaled by the relative gap once u has been measured
+  return Ranking(_finite_norm(s) * jnp.where(s.gap_count > 0, s.gap, 1.0))
+
+
+def _rank_gap(s: Signals, options) -> Ranking:
+  del options
+  return Ranking(s.gap)
+
+
+def _rank_hybrid(s: Signals, options) -> Ranking:
+  del options  # transient risk outranks locks and is ranked by the paper's score
+  return Ranking(jnp.where(s.risky, s.score, _finite_norm(s)),
+                 tier=jnp.where(s.risky, 2, _lock_tier(s)))
+
+
+def _rank_random(s: Signals, options) -> Ranking:
+  """The first max_o units of a fresh permutation get the top values."""
+  num_units = s.norm.shape[0]
+  del options
+  order = jax.random.permutation(s.key, num_units)
+  return Ranking(jnp.zeros((num_units,), jnp.float32).at[order].set(
+      jnp.arange(num_units, 0, -1, dtype=jnp.float32)))
+
+
+def _rank_noise(s: Signals, options) -> Ranking:
+  """The paper's alarm first (by its score); pi over the thresholds; a cap, not a quota."""
+  pi = noise_fraction(s.noise_sq, s.rec_sq)
+  above = (pi > options["noise_upper"]) | (s.prev_mask & (pi >= options["noise_lower"]))
+  if options["noise_gate"] == "any":
+    above = jnp.broadcast_to(jnp.any(above), above.shape)
+  rank_by = pi if options["noise_rank"] == "pi" else _finite_norm(s)
+  return Ranking(jnp.where(s.risky, s.score, rank_by), tier=jnp.where(s.risky, 2, _lock_tier(s)),
+                 candidate=s.risky | (s.lock > 0) | above)
+
+
+def _check_choice(choices):
+  def check(where, value, options):
+    del options
+    if value not in choices:
+      raise ValueError(f"{where} must be one of {list(choices)}, got {value!r}.")
+  return check
+
+
+def _check_noise_upper(where, value, options):
+  del options
+  _checks.check_positive(where, value)
+
+
+def _check_noise_lower(where, value, options):
+  upper = options.get("noise_upper")
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not 0 <= value <= upper):
+    raise ValueError(f"{where} must be a float in [0, noise_upper={upper!r}], got {value!r}.")
+
+
+def _needs_every_unit_measured(config) -> None:
+  if ("diagnostics" in config and
+      config.diagnostics.get("recovery_gap_pass", "recovery") == "recovery"):
+    raise ValueError("config.gnmr.priority='noise' needs every unit re-measured: set "
+                     "config.diagnostics.recovery_gap_pass='uniform' (the 'recovery' pass never "
+                     "re-measures the units in the mask, so none could leave it).")
+
+
+NORM = Ranked("norm", "the max_o units with the largest gradient norm", rank=_rank_norm)
+GAP = Ranked("gap", "the units with the largest measured recovery gap (an EMA)", rank=_rank_gap,
+             reads_gap=True)
+RELGAP = Ranked("relgap", "the gradient norm times a measured relative gap", rank=_rank_relgap,
+                reads_gap=True, relative_gap=True)
+ORACLE = Ranked("oracle", "the last measured recovery gap alone (the lagged oracle)",
+                rank=_rank_gap, reads_gap=True, last_gap_only=True)
+HYBRID = Ranked("hybrid", "the paper's alarm first, the gradient norm fills the budget",
+                rank=_rank_hybrid)
+RANDOM = Ranked("random", "max_o units drawn uniformly at random (the same-budget baseline)",
+                rank=_rank_random, nonfinite_first=False)
+NOISE = Ranked(
+    "noise", "a measured quantization-noise fraction over a threshold, and the paper's alarm",
+    rank=_rank_noise, reads_gap=True, check_config=_needs_every_unit_measured, fields=(
+        Field("noise_upper", 1 / 3, _check_noise_upper, "pi above it makes a candidate"),
+        Field("noise_lower", 1 / 6, _check_noise_lower, "pi a unit in the mask keeps above"),
+        Field("noise_rank", "pi", _check_choice(NOISE_RANKS), "rank by 'pi' or by 'norm'"),
+        Field("noise_gate", "unit", _check_choice(NOISE_GATES),
+              "'unit': its own pi; 'any': any unit's pi opens every unit")))
+RANKED = (NORM, GAP, RELGAP, ORACLE, HYBRID, RANDOM, NOISE)
+
+
+# --- the engine ------------------------------------------------------------------------------
+
+
+def check_settings(name: str, settings: Settings) -> None:
+  """The shared integer settings, before any tracing."""
+  for arg in ("max_o", "t_lock", "seed"):
+    _checks.check_int(f"{name}: `{arg}`", getattr(settings, arg), 0, _checks.STATIC_HINT)
+  _checks.check_fraction(f"{name}: `gap_decay`", settings.gap_decay)
+
+
+def paper_statistics(settings: Settings) -> optax.GradientTransformationExtraArgs:
+  """The paper's statistics without its selection (max_o=0 never selects or locks)."""
+  return gnmr_lib.gnmr(alpha=settings.alpha, beta=settings.beta, delta=settings.delta,
+                       max_o=0, t_lock=0, warmup=settings.warmup, units=settings.units,
+                       layer_axis=settings.layer_axis)
+
+
+def init_state(inner, params) -> PriorityState:
+  ctl = inner.init(params)
+  def zeros(tree):
+    return jax.tree_util.tree_map(jnp.zeros_like, tree)
+
+  return PriorityState(controller=ctl, gap=zeros(ctl.norm), gap_count=zeros(ctl.norm_count),
+                       value=zeros(ctl.norm), noise_sq=zeros(ctl.norm), rec_sq=zeros(ctl.norm))
+
+
+def update_statistics(inner, updates, state: PriorityState, params, extra_args):
+  """The paper's statistics of this step, and the layout they are held in.
+
+  The inner controller never selects; it gets no lock, so its candidate count stays the
+  paper's alarm count (risky units) instead of counting this controller's locks.
+  """
+  inner_state = state.controller._replace(
+      lock=jax.tree_util.tree_map(jnp.zeros_like, state.controller.lock))
+  updates, ctl = inner.update(updates, inner_state, params, **extra_args)
+  return updates, ctl, units_lib.unbox(ctl.window).layout
+
+
+def finish(state: PriorityState, ctl, layout, selected, new_lock, value, gaps) -> PriorityState:
+  """The state after a step: ``selected`` and ``new_lock`` [N] become the mask and the lock,
+  the budget counts are this controller's; ``gaps`` = (gap, gap_count, noise_sq, rec_sq)."""
+  num_active = jnp.sum(selected, dtype=jnp.int32)
+  tel = ctl.telemetry  # num_risky / num_candidates stay the paper's alarm counts
+  telemetry = tel._replace(
+      num_active=num_active, num_locked=jnp.sum(new_lock > 0, dtype=jnp.int32),
+      active_unit_steps=state.controller.telemetry.active_unit_steps + num_active)
+
+  def back(vec, dtype):
+    return layout.values(vec.astype(dtype))
+
+  ctl = ctl._replace(mask=back(selected, jnp.bool_), lock=back(new_lock, jnp.int32),
+                     telemetry=telemetry)
+  gap, gap_count, noise_sq, rec_sq = gaps
+  return PriorityState(controller=ctl, gap=back(gap, jnp.float32),
+                       gap_count=back(gap_count, jnp.int32), value=back(value, jnp.float32),
+                       noise_sq=back(noise_sq, jnp.float32), rec_sq=back(rec_sq, jnp.float32))
+
+
+def fold_gap(relative: bool, gap_decay: float, layout, state: PriorityState, recovery_gap):
+  """(gap, gap_count, noise_sq, rec_sq) [N] after folding in ``recovery_gap`` (None: as were);
+  ``relative``: the gap estimate is of e_u / ||g_rec,u||."""
+  flat = layout.flat
+  gap, gap_count = flat(state.gap), flat(state.gap_count)
+  noise_sq, rec_sq = flat(state.noise_sq), flat(state.rec_sq)
+  if recovery_gap is None:
+    return gap, gap_count, noise_sq, rec_sq
+  _check_gap_layout(recovery_gap, layout)
+  measured = flat(recovery_gap.gap).astype(jnp.float32)
+  if relative:  # 0 / 0 = 0; a gap over a zero recovery gradient is not finite
+    rec_norm = flat(recovery_gap.rec_norm).astype(jnp.float32)
+    measured = jnp.where(measured == 0, 0.0, measured / jnp.where(measured == 0, 1.0, rec_norm))
+  valid = flat(recovery_gap.valid) & jnp.isfinite(measured)
+
+  def blend(old, new, ok):  # the first measurement is taken as is
+    mixed = jnp.where(gap_count > 0, gap_decay * old + (1 - gap_decay) * new, new)
+    return jnp.where(ok, mixed, old)
+
+  gap_sq = jnp.square(flat(recovery_gap.gap).astype(jnp.float32))
+  rec_norm_sq = jnp.square(flat(recovery_gap.rec_norm).astype(jnp.float32))
+  valid_sq = valid & jnp.isfinite(gap_sq) & jnp.isfinite(rec_norm_sq)
+  noise_sq, rec_sq = blend(noise_sq, gap_sq, valid_sq), blend(rec_sq, rec_norm_sq, valid_sq)
+  gap = blend(gap, measured, valid)
+  return gap, gap_count + valid.astype(jnp.int32), noise_sq, rec_sq
+
+
+def _select(priority: Ranked, ranking: Ranking, s: Signals, settings: Settings):
+  """(selected, new lock) [N]: the first max_o candidates by (tier, value), after warmup."""
+  num_units = s.norm.shape[0]
+  tier = _lock_tier(s) if ranking.tier is None else ranking.tier
+  candidate = (jnp.ones((num_units,), jnp.bool_) if ranking.candidate is None
+               else ranking.candidate)
+  if priority.nonfinite_first:
+    tier = jnp.where(s.finite, tier, 3)
+  # lexsort: the last key is the primary one; it is stable, so ties keep tree order.
+  order = jnp.lexsort((-ranking.value, -tier, ~candidate))
+  rank = jnp.zeros_like(order).at[order].set(jnp.arange(num_units, dtype=order.dtype))
+  selected = candidate & (rank < settings.max_o) & (s.step > settings.warmup)
+  new_lock = jnp.where(selected & ~s.prev_mask, settings.t_lock,
+                       jnp.where(s.lock > 0, s.lock - 1, 0)).astype(jnp.int32)
+  return selected, new_lock
+
+
+def budgeted(priority: Ranked, *, name: str, settings: Settings,
+             options: Optional[Mapping[str, Any]] = None) -> optax.GradientTransformationExtraArgs:
   """The budgeted controller ranking units by ``priority`` (module docstring).
 
-  The engine behind the constructors (:func:`gnmr_jax.norm_level`, :func:`gnmr_jax.fixed_set`,
-  ..., :mod:`gnmr_jax.control.research`): each checks the arguments only its priority reads
-  (``gap_decay``, ``seed``, ``fixed_pattern``, ``last_blocks``, ``switch_step``, ``noise_*``)
-  and passes the others' defaults; this checks the shared ones, before any tracing.
+  The engine behind the constructors (:func:`gnmr_jax.norm_level`, ...,
+  :mod:`gnmr_jax.control.research`) and the priorities a user registers
+  (:func:`gnmr_jax.control.register_priority`).
 
   Args:
-    priority: one of :data:`BUDGETED_PRIORITIES`.
+    priority: a :class:`~gnmr_jax.control.priority_types.Ranked` entry.
     name: the constructor's name, for error messages.
-    max_o: units recovered per step (>= 0; capped at the number of units).
-    t_lock: steps a unit that enters the mask stays locked in (>= 0; static recipes: unused).
-    warmup: first steps with an empty mask (>= 0).
-    alpha, beta, delta: the paper's thresholds and window, for the GNMR statistics kept in
-      the state (telemetry) and the alarm of 'hybrid' and 'noise'.
-    units, layer_axis: which leaves are units, as in :func:`gnmr_jax.gnmr`.
-    gap_decay: 'gap', 'relgap', 'noise': weight of the old estimate at each measurement.
-    seed: 'random': seed of the draws.
-    fixed_pattern: 'fixed': the compiled regex searched in the unit names.
-    last_blocks: 'last_blocks': how many of the last layers.
-    switch_step: 'late_switch': the first step run with every unit recovered.
-    noise_upper, noise_lower, noise_rank, noise_gate: 'noise' (:func:`research.noise`).
+    settings: max_o (>= 0; capped at the number of units), t_lock (>= 0), warmup, units,
+      layer_axis, the paper's alpha / beta / delta (the statistics kept in the state, and the
+      alarm a ranking may read), gap_decay (weight of the old gap estimate at a measurement),
+      seed (the step's ``Signals.key`` is ``fold_in(key(seed), step)``).
+    options: the priority's own fields (:meth:`Priority.options` checks them; default theirs).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` passing updates through; its ``update``
     takes an optional ``recovery_gap=`` (a RecoveryGap) extra argument.
 
   Raises:
-    ValueError: an unknown priority or an invalid shared argument, before any tracing; for the
-      static recipes, at init, a set that is empty or larger than max_o.
+    ValueError: an invalid setting or option, before any tracing.
+
+  Example:
+    The built-in 'norm' entry, as :func:`gnmr_jax.norm_level` builds it:
+
+    >>> import jax.numpy as jnp, gnmr_jax
+    >>> from gnmr_jax.control import priorities
+    >>> from gnmr_jax.control.priority_types import Settings
+    >>> settings = Settings(max_o=1, t_lock=0, warmup=0, units=None, layer_axis=None,
+    ...                     alpha=2.0, beta=1.5, delta=8)
+    >>> tx = priorities.budgeted(priorities.NORM, name="norm", settings=settings)
+    >>> params = {'a': jnp.ones((2, 2)), 'b': jnp.ones((2, 2))}
+    >>> _, state = tx.update({'a': params['a'], 'b': 2 * params['b']}, tx.init(params), params)
+    >>> [k for k, v in gnmr_jax.recovery_mask(state).items() if v]
+    ['b']
   """
-  if priority not in BUDGETED_PRIORITIES:
-    raise ValueError(f"{name}: the priority must be one of {BUDGETED_PRIORITIES}, got "
-                     f"{priority!r}.")
-  for arg, value in (("max_o", max_o), ("t_lock", t_lock)):
-    _checks.check_int(f"{name}: `{arg}`", value, 0, _checks.STATIC_HINT)
-  # The paper's statistics without its selection (max_o=0 never selects or locks).
-  inner = gnmr_lib.gnmr(alpha=alpha, beta=beta, delta=delta, max_o=0, t_lock=0,
-                        warmup=warmup, units=units, layer_axis=layer_axis)
-  unit_selector = units_lib.compile_selector(units, "units")
-  axis_selector = units_lib.compile_selector(layer_axis, "layer_axis")
-
-  def static_set(layout):
-    """The static recipe's set as a bool [N] NumPy vector (names and shapes are static)."""
-    if priority == "fixed":
-      in_set = [fixed_pattern.search(unit) is not None for unit in layout.names()]
-      what = f"the pattern {fixed_pattern.pattern!r}"
-    elif priority == "last_blocks":
-      in_set = []
-      for info in layout:
-        if info.is_unit:
-          num_layers = info.unit_shape[0] if info.unit_shape else 1
-          in_set.extend([info.layer_axis is not None and l >= num_layers - last_blocks
-                         for l in range(num_layers)])
-      what = f"the last {last_blocks} block(s) (units of layer-stacked leaves, see `layer_axis`)"
-    else:  # late_switch
-      in_set = [True] * layout.num_units
-      what = "'late_switch' (every unit)"
-    if not any(in_set) or sum(in_set) > max_o:
-      raise ValueError(
-          f"{name}: {what} selects {sum(in_set)} units; a static set must hold 1 to "
-          f"max_o={max_o} (the recovery budget and side buffer). Unit names are e.g. "
-          f"{layout.names()[:6]}.")
-    return jnp.asarray(in_set)
-
-  def init_fn(params):
-    ctl = inner.init(params)
-    if priority in STATIC_PRIORITIES and not gnmr_lib.is_params_placeholder(params):
-      static_set(units_lib.resolve_units(params, unit_selector, axis_selector))
-    return PriorityState(controller=ctl,
-                         gap=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm),
-                         gap_count=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm_count),
-                         value=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm),
-                         noise_sq=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm),
-                         rec_sq=jax.tree_util.tree_map(jnp.zeros_like, ctl.norm))
+  if not isinstance(priority, Ranked):
+    raise ValueError(f"{name}: the budgeted engine takes a Ranked priority, got {priority!r}.")
+  check_settings(name, settings)
+  options = priority.options(dict(options or {}), f"{name}: ")
+  # Only a priority that ranks by the gap blends its measurements; the others keep the last.
+  gap_decay = settings.gap_decay if priority.reads_gap and not priority.last_gap_only else 0.0
+  inner = paper_statistics(settings)
 
   def update_fn(updates, state, params=None, recovery_gap=None, **extra_args):
-    # The inner controller never selects; it gets no lock, so its candidate count stays the
-    # paper's alarm count (risky units) instead of counting this controller's locks.
-    lock_held = state.controller.lock
-    inner_state = state.controller._replace(
-        lock=jax.tree_util.tree_map(jnp.zeros_like, lock_held))
-    updates, ctl = inner.update(updates, inner_state, params, **extra_args)
-    # The layout held in the state (the inner update checked the gradients against it).
-    layout = units_lib.unbox(ctl.window).layout
-    num_units = layout.num_units
-    flat = layout.flat
-    step = ctl.count
-    norm = flat(ctl.norm)
-    prev_mask = flat(state.controller.mask)
-    lock = flat(lock_held)
-    gap, gap_count = flat(state.gap), flat(state.gap_count)
-    noise_sq, rec_sq = flat(state.noise_sq), flat(state.rec_sq)
+    updates, ctl, layout = update_statistics(inner, updates, state, params, extra_args)
+    gaps = fold_gap(priority.relative_gap, gap_decay, layout, state, recovery_gap)
+    norm = layout.flat(ctl.norm)
+    signals = Signals(step=ctl.count, norm=norm, finite=jnp.isfinite(norm),
+                      gnmr=layout.flat(ctl.gnmr), delta_gnmr=layout.flat(ctl.delta_gnmr),
+                      risky=layout.flat(ctl.risky), score=layout.flat(ctl.score),
+                      lock=layout.flat(state.controller.lock),
+                      prev_mask=layout.flat(state.controller.mask), gap=gaps[0],
+                      gap_count=gaps[1], noise_sq=gaps[2], rec_sq=gaps[3],
+                      key=jax.random.fold_in(jax.random.key(settings.seed), ctl.count))
+    ranking = priority.rank(signals, options)
+    selected, new_lock = _select(priority, ranking, signals, settings)
+    return updates, finish(state, ctl, layout, selected, new_lock, ranking.value, gaps)
 
-    if recovery_gap is not None:
-      _check_gap_layout(recovery_gap, layout)
-      measured = flat(recovery_gap.gap).astype(jnp.float32)
-      if priority == "relgap":  # 0 / 0 = 0; a gap over a zero recovery gradient is not finite
-        rec_norm = flat(recovery_gap.rec_norm).astype(jnp.float32)
-        measured = jnp.where(measured == 0, 0.0, measured / jnp.where(measured == 0, 1.0,
-                                                                       rec_norm))
-      valid = flat(recovery_gap.valid) & jnp.isfinite(measured)
-
-      def blend(old, new, ok):  # the first measurement is taken as is
-        mixed = jnp.where(gap_count > 0, gap_decay * old + (1 - gap_decay) * new, new)
-        return jnp.where(ok, mixed, old)
-
-      gap_sq = jnp.square(flat(recovery_gap.gap).astype(jnp.float32))
-      rec_norm_sq = jnp.square(flat(recovery_gap.rec_norm).astype(jnp.float32))
-      valid_sq = valid & jnp.isfinite(gap_sq) & jnp.isfinite(rec_norm_sq)
-      noise_sq, rec_sq = blend(noise_sq, gap_sq, valid_sq), blend(rec_sq, rec_norm_sq, valid_sq)
-      gap = blend(gap, measured, valid)
-      gap_count = gap_count + valid.astype(jnp.int32)
-
-    finite = jnp.isfinite(norm)
-    tier = jnp.where(lock > 0, 1, 0)
-    if priority in ("norm", "hybrid", "relgap"):
-      value = jnp.where(finite, norm, 0.0)
-      if priority == "relgap":  # scaled by the relative gap once u has been measured
-        value = value * jnp.where(gap_count > 0, gap, 1.0)
-    elif priority == "noise":
-      value = noise_fraction(noise_sq, rec_sq)
-    elif priority in GAP_PRIORITIES:
-      value = gap
-    elif priority in STATIC_PRIORITIES:
-      value = static_set(layout).astype(jnp.float32)
-    else:  # random: the first max_o units of a fresh permutation get the top values
-      order = jax.random.permutation(jax.random.fold_in(jax.random.key(seed), step), num_units)
-      value = jnp.zeros((num_units,), jnp.float32).at[order].set(
-          jnp.arange(num_units, 0, -1, dtype=jnp.float32))
-    if priority == "hybrid":  # transient risk outranks locks and is ranked by the paper's score
-      risky = flat(ctl.risky)
-      tier = jnp.where(risky, 2, tier)
-      value = jnp.where(risky, flat(ctl.score), value)
-    if priority in STATIC_PRIORITIES:  # a static set: no ranking, no lock
-      selected = (value > 0) & (step > warmup)
-      if priority == "late_switch":  # the mask made at step t is used at step t + 1
-        selected = selected & (step + 1 >= switch_step)
-      new_lock = jnp.zeros((num_units,), jnp.int32)
-    else:
-      candidate = jnp.ones((num_units,), jnp.bool_)  # every unit, but for 'noise'
-      if priority == "noise":  # the paper's alarm first (by its score); a cap, not a quota
-        risky = flat(ctl.risky)
-        above = (value > noise_upper) | (prev_mask & (value >= noise_lower))
-        if noise_gate == "any":
-          above = jnp.broadcast_to(jnp.any(above), above.shape)
-        candidate = risky | (lock > 0) | above
-        tier = jnp.where(risky, 2, tier)
-        rank_by = value if noise_rank == "pi" else jnp.where(finite, norm, 0.0)
-        value = jnp.where(risky, flat(ctl.score), rank_by)
-      if priority != "random":
-        tier = jnp.where(finite, tier, 3)
-      # lexsort: the last key is the primary one; it is stable, so ties keep tree order.
-      order = jnp.lexsort((-value, -tier, ~candidate))
-      rank = jnp.zeros_like(order).at[order].set(jnp.arange(num_units, dtype=order.dtype))
-      selected = candidate & (rank < max_o) & (step > warmup)
-      new_lock = jnp.where(selected & ~prev_mask, t_lock,
-                           jnp.where(lock > 0, lock - 1, 0)).astype(jnp.int32)
-
-    num_active = jnp.sum(selected, dtype=jnp.int32)
-    tel = ctl.telemetry  # num_risky / num_candidates stay the paper's alarm counts
-    telemetry = tel._replace(
-        num_active=num_active,
-        num_locked=jnp.sum(new_lock > 0, dtype=jnp.int32),
-        active_unit_steps=state.controller.telemetry.active_unit_steps + num_active)
-    def back(vec, dtype):
-      return layout.values(vec.astype(dtype))
-
-    ctl = ctl._replace(mask=back(selected, jnp.bool_), lock=back(new_lock, jnp.int32),
-                       telemetry=telemetry)
-    return updates, PriorityState(controller=ctl, gap=back(gap, jnp.float32),
-                                  gap_count=back(gap_count, jnp.int32),
-                                  value=back(value, jnp.float32),
-                                  noise_sq=back(noise_sq, jnp.float32),
-                                  rec_sq=back(rec_sq, jnp.float32))
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(lambda params: init_state(inner, params),
+                                               update_fn)
 
 
 def noise_fraction(noise_sq, rec_sq):
@@ -319,9 +395,3 @@ def _check_gap_layout(recovery_gap, layout) -> None:
       "controller's `units` and `layer_axis` (recovery_gap.measure(..., units=..., "
       "layer_axis=...)). Differences: " + "; ".join(diffs[:8])
       + (f"; ... ({len(diffs)} in all)" if len(diffs) > 8 else ""))
-
-
-def needs_recovery_gap(priority: str) -> bool:
-  """Whether a priority ranks by a measured recovery gap (the train step must measure it)."""
-  return priority in GAP_PRIORITIES
-

@@ -29,8 +29,10 @@ import optax
 from gnmr_jax.control import checks as _checks
 from gnmr_jax.control import paper
 from gnmr_jax.control import priorities
+from gnmr_jax.control import static_recipes
 from gnmr_jax.control import units as units_lib
-from gnmr_jax.control.priorities import PAPER_ALPHA, PAPER_BETA, PAPER_DELTA, PAPER_T_LOCK
+from gnmr_jax.control.priority_types import (PAPER_ALPHA, PAPER_BETA, PAPER_DELTA,
+                                             PAPER_T_LOCK, Settings)
 
 # The transient alarm (config.gnmr's default): THRESHOLDS.md's cheapest setting of `make train`'s
 # replay that recovers every x5 / x10 / x100 spike within 2 steps.
@@ -122,9 +124,10 @@ def norm_level(*, max_o: int, t_lock: int = PAPER_T_LOCK, warmup: int = 0,
     >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
     {'a': True, 'b': False, 'c': True}
   """
-  return priorities.budgeted("norm", name="norm_level", max_o=max_o, t_lock=t_lock, warmup=warmup,
-                             units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
-                             delta=delta)
+  return priorities.budgeted(
+      priorities.NORM, name="norm_level",
+      settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
+                        layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta))
 
 
 def fixed_set(pattern: str, *, max_o: int, warmup: int = 0, units=None, layer_axis=None,
@@ -165,10 +168,11 @@ def fixed_set(pattern: str, *, max_o: int, warmup: int = 0, units=None, layer_ax
   if not isinstance(pattern, str) or not pattern:
     raise ValueError(f"fixed_set: `pattern` must be a regex searched in the unit names (e.g. "
                      f"r'mlp/down'), got {pattern!r}.")
-  return priorities.budgeted("fixed", name="fixed_set", max_o=max_o, t_lock=0, warmup=warmup,
-                             units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
-                             delta=delta,
-                             fixed_pattern=units_lib.compile_selector(pattern, "pattern"))
+  units_lib.compile_selector(pattern, "pattern")
+  return static_recipes.static_recipe(
+      static_recipes.FIXED, name="fixed_set",
+      settings=Settings(max_o=max_o, t_lock=0, warmup=warmup, units=units, layer_axis=layer_axis,
+                        alpha=alpha, beta=beta, delta=delta), options={"fixed_units": pattern})
 
 
 def last_blocks(num_blocks: int, *, max_o: int, warmup: int = 0, units=None, layer_axis=None,
@@ -199,9 +203,10 @@ def last_blocks(num_blocks: int, *, max_o: int, warmup: int = 0, units=None, lay
     [False, False, True]
   """
   _checks.check_int("last_blocks: `num_blocks`", num_blocks, 1)
-  return priorities.budgeted("last_blocks", name="last_blocks", max_o=max_o, t_lock=0,
-                             warmup=warmup, units=units, layer_axis=layer_axis, alpha=alpha,
-                             beta=beta, delta=delta, last_blocks=num_blocks)
+  return static_recipes.static_recipe(
+      static_recipes.LAST_BLOCKS, name="last_blocks",
+      settings=Settings(max_o=max_o, t_lock=0, warmup=warmup, units=units, layer_axis=layer_axis,
+                        alpha=alpha, beta=beta, delta=delta), options={"last_blocks": num_blocks})
 
 
 def late_switch(switch_step: int, *, max_o: int, warmup: int = 0, units=None, layer_axis=None,
@@ -239,6 +244,7 @@ def late_switch(switch_step: int, *, max_o: int, warmup: int = 0, units=None, la
     4 ['a', 'b']
   """
   _checks.check_int("late_switch: `switch_step`", switch_step, 1)
-  return priorities.budgeted("late_switch", name="late_switch", max_o=max_o, t_lock=0,
-                             warmup=warmup, units=units, layer_axis=layer_axis, alpha=alpha,
-                             beta=beta, delta=delta, switch_step=switch_step)
+  return static_recipes.static_recipe(
+      static_recipes.LATE_SWITCH, name="late_switch",
+      settings=Settings(max_o=max_o, t_lock=0, warmup=warmup, units=units, layer_axis=layer_axis,
+                        alpha=alpha, beta=beta, delta=delta), options={"switch_step": switch_step})

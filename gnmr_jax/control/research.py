@@ -34,7 +34,8 @@ import jax.numpy as jnp
 from gnmr_jax.control import checks as _checks
 from gnmr_jax.control import paper
 from gnmr_jax.control import priorities
-from gnmr_jax.control.priorities import PAPER_ALPHA, PAPER_BETA, PAPER_DELTA, PAPER_T_LOCK
+from gnmr_jax.control.priority_types import (PAPER_ALPHA, PAPER_BETA, PAPER_DELTA,
+                                             PAPER_T_LOCK, Settings)
 
 
 def gap(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
@@ -77,9 +78,11 @@ def gap(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
     {'a': False, 'b': True}
   """
   _checks.check_fraction("gap: `gap_decay`", gap_decay)
-  return priorities.budgeted("gap", name="gap", max_o=max_o, t_lock=t_lock, gap_decay=gap_decay,
-                             warmup=warmup, units=units, layer_axis=layer_axis, alpha=alpha,
-                             beta=beta, delta=delta)
+  return priorities.budgeted(
+      priorities.GAP, name="gap",
+      settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
+                        layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta,
+                        gap_decay=gap_decay))
 
 
 def relgap(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
@@ -115,9 +118,11 @@ def relgap(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
     {'a': False, 'b': True}
   """
   _checks.check_fraction("relgap: `gap_decay`", gap_decay)
-  return priorities.budgeted("relgap", name="relgap", max_o=max_o, t_lock=t_lock,
-                             gap_decay=gap_decay, warmup=warmup, units=units,
-                             layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta)
+  return priorities.budgeted(
+      priorities.RELGAP, name="relgap",
+      settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
+                        layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta,
+                        gap_decay=gap_decay))
 
 
 def oracle(*, max_o: int, t_lock: int = PAPER_T_LOCK, warmup: int = 0, units=None,
@@ -150,9 +155,10 @@ def oracle(*, max_o: int, t_lock: int = PAPER_T_LOCK, warmup: int = 0, units=Non
     ['a']
     ['b']
   """
-  return priorities.budgeted("oracle", name="oracle", max_o=max_o, t_lock=t_lock, warmup=warmup,
-                             units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
-                             delta=delta)
+  return priorities.budgeted(
+      priorities.ORACLE, name="oracle",
+      settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
+                        layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta))
 
 
 def hybrid(*, max_o: int, t_lock: int = PAPER_T_LOCK, alpha: float = PAPER_ALPHA,
@@ -194,9 +200,10 @@ def hybrid(*, max_o: int, t_lock: int = PAPER_T_LOCK, alpha: float = PAPER_ALPHA
     ['a']
     ['b']
   """
-  return priorities.budgeted("hybrid", name="hybrid", max_o=max_o, t_lock=t_lock, warmup=warmup,
-                             units=units, layer_axis=layer_axis, alpha=alpha, beta=beta,
-                             delta=delta)
+  return priorities.budgeted(
+      priorities.HYBRID, name="hybrid",
+      settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
+                        layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta))
 
 
 def random(*, max_o: int, t_lock: int = PAPER_T_LOCK, seed: int = 0, warmup: int = 0,
@@ -233,9 +240,10 @@ def random(*, max_o: int, t_lock: int = PAPER_T_LOCK, seed: int = 0, warmup: int
     2
   """
   _checks.check_int("random: `seed`", seed, 0, _checks.STATIC_HINT)
-  return priorities.budgeted("random", name="random", max_o=max_o, t_lock=t_lock, seed=seed,
-                             warmup=warmup, units=units, layer_axis=layer_axis, alpha=alpha,
-                             beta=beta, delta=delta)
+  return priorities.budgeted(
+      priorities.RANDOM, name="random",
+      settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
+                        layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta, seed=seed))
 
 
 def noise(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
@@ -290,20 +298,12 @@ def noise(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
     {'a': False, 'b': True}
   """
   _checks.check_fraction("noise: `gap_decay`", gap_decay)
-  for arg, value, choices in (("noise_rank", noise_rank, priorities.NOISE_RANKS),
-                              ("noise_gate", noise_gate, priorities.NOISE_GATES)):
-    if value not in choices:
-      raise ValueError(f"noise: `{arg}` must be one of {choices}, got {value!r}.")
-  _checks.check_positive("noise: `noise_upper`", noise_upper)
-  if (isinstance(noise_lower, bool) or not isinstance(noise_lower, (int, float))
-      or not 0 <= noise_lower <= noise_upper):
-    raise ValueError(f"noise: `noise_lower` must be a float in [0, noise_upper="
-                     f"{noise_upper!r}], got {noise_lower!r}.")
-  return priorities.budgeted("noise", name="noise", max_o=max_o, t_lock=t_lock,
-                             gap_decay=gap_decay, noise_upper=noise_upper,
-                             noise_lower=noise_lower, noise_rank=noise_rank,
-                             noise_gate=noise_gate, warmup=warmup, units=units,
-                             layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta)
+  return priorities.budgeted(
+      priorities.NOISE, name="noise",
+      settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
+                        layer_axis=layer_axis, alpha=alpha, beta=beta, delta=delta,
+                        gap_decay=gap_decay), options={"noise_upper": noise_upper, "noise_lower":
+                        noise_lower, "noise_rank": noise_rank, "noise_gate": noise_gate})
 
 
 # config.gnmr.t_lock's default for priority 'saturation': the scale catches up in a step or two.
