@@ -33,6 +33,7 @@ def cell_path(name: str, target: str) -> str:
 
 def run_cell(name: str, target: str, overrides: dict) -> dict:
   from gnmr_jax.aot import compile as compile_lib  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import versions as versions_lib  # pylint: disable=g-import-not-at-top
   from gnmr_jax.aot import fit as fit_lib  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, os.path.join(ROOT, "configs"))
   import llama  # pylint: disable=g-import-not-at-top
@@ -45,7 +46,8 @@ def run_cell(name: str, target: str, overrides: dict) -> dict:
   result.update(config_name=f"llama:{name}", overrides_given=overrides,
                 precision={"mode": config.precision.mode,
                            "low_cost_path": config.precision.low_cost_path},
-                versions=compile_lib.versions(), date=str(datetime.date.today()),
+                versions=versions_lib.package_versions(versions_lib.COMPILERS),
+                date=str(datetime.date.today()),
                 host=f"{os.cpu_count()} {platform.machine()} cores")
   return result
 

@@ -230,6 +230,7 @@ def _write(path, report):
 
 def compile_calibration(redo=False) -> None:
   from gnmr_jax.aot import compile as compile_lib  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import versions as versions_lib  # pylint: disable=g-import-not-at-top
   from gnmr_jax.aot import inventory  # pylint: disable=g-import-not-at-top
   from gnmr_jax.aot import targets  # pylint: disable=g-import-not-at-top
   compile_lib.prepare_environment()
@@ -246,7 +247,8 @@ def compile_calibration(redo=False) -> None:
     _write(path, {'name': name, 'target': 'h200', 'measured_ms': anchor_programs.MEASURED[name],
                   'kernels': step_time.summarize(inventory.parse(program.hlo_text)),
                   'memory': program.memory, 'compile_s': program.compile_s,
-                  'versions': compile_lib.versions(), 'compiled_on': _stamp()})
+                  'versions': versions_lib.package_versions(versions_lib.COMPILERS),
+                  'compiled_on': _stamp()})
 
 
 def compile_projection(c) -> dict:

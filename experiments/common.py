@@ -30,11 +30,11 @@ from typing import Callable, Optional
 
 import jax
 import ml_collections
-import optax
 
 from gnmr_jax import clipping, metrics_log
 from gnmr_jax.optim import make_optimizer
 from gnmr_jax.precision import blockwise, registry
+from gnmr_jax import versions as versions_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS_DIR = RUNS_DIR_DEFAULT = os.path.join(ROOT, "experiments", "runs")  # --runs may move it
@@ -276,12 +276,6 @@ def check_dry_run(args, committed_results: str) -> None:
                      "outside experiments/results and experiments/runs")
 
 
-def versions() -> dict:
-  import flax  # pylint: disable=g-import-not-at-top
-  return {"python": platform.python_version(), "jax": jax.__version__,
-          "flax": flax.__version__, "optax": optax.__version__}
-
-
 def device_description() -> str:
   dev = jax.devices()[0]
   if dev.platform == "cpu":
@@ -326,7 +320,7 @@ def write_results(scenario: str, scale: str, arms, seeds, base, heatmap_arm: str
   payload = {
       "scenario": scenario, "scale": scale,
       "date": datetime.date.today().isoformat(),
-      "device": device_description(), "versions": versions(),
+      "device": device_description(), "versions": versions_lib.versions(),
       "wall_seconds": sum(i["wall_seconds"] for i in invocations),
       "command": " ".join(["python"] + sys.argv), "invocations": invocations,
       "base_config": base.to_dict(), "notes": notes,
@@ -437,7 +431,7 @@ def trained_json(path: str, scenario: str, regime: str, arm: str, seed: int, con
   out = {"regime": regime, "arm": arm, "seed": seed, "eval_loss": summary["eval_loss"],
          "steps": summary["step"], "tokens_per_s": summary["tokens_per_s"],
          "wall_seconds": time.time() - t0, "date": time.strftime("%Y-%m-%d"),
-         "device": device_description(), "versions": versions()}
+         "device": device_description(), "versions": versions_lib.versions()}
   write_json(path, out)
   print(f"[{scenario}] {regime} {arm} seed{seed}: loss {out['eval_loss']:.4f} "
         f"({out['wall_seconds']:.0f} s)", flush=True)

@@ -53,6 +53,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "configs"))
 
 from experiments import common  # noqa: E402  pylint: disable=g-import-not-at-top
+from gnmr_jax import versions as versions_lib  # noqa: E402  pylint: disable=g-import-not-at-top
 from experiments import selection_report  # noqa: E402  pylint: disable=g-import-not-at-top
 
 RESULTS = COMMITTED_RESULTS = os.path.join(common.RESULTS_DIR, "noise_fraction")
@@ -208,7 +209,7 @@ def run_one(regime, arm, seed, data=None):
          "recovered_unit_steps_pct": summary.get("recovered_unit_steps_pct", 0.0) if routed
          else 0.0, "tokens_per_s": summary["tokens_per_s"], "wall_seconds": time.time() - t0,
          "steps": summary["step"], "smoke": SMOKE["on"], "date": time.strftime("%Y-%m-%d"),
-         "device": common.device_description(), "versions": common.versions()}
+         "device": common.device_description(), "versions": versions_lib.versions()}
   common.write_json(path, out)
   print(f"[noise_fraction] {regime} {arm} seed{seed}: loss {out['eval_loss']:.4f} recovered "
         f"{out['recovered_unit_steps_pct']:.2f}% ({out['wall_seconds']:.0f} s)", flush=True)
@@ -516,7 +517,7 @@ def preflight(regime, seed, top=7, decay=0.5, upper=1 / 3):
                         else None}
                     for k, m in phases.items()},
          "unit_names": names, "date": time.strftime("%Y-%m-%d"),
-         "device": common.device_description(), "versions": common.versions()}
+         "device": common.device_description(), "versions": versions_lib.versions()}
   path = os.path.join(RESULTS, "preflight", regime, f"seed{seed}.json")
   os.makedirs(os.path.dirname(path), exist_ok=True)
   with open(path, "w", encoding="utf-8") as f:

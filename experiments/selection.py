@@ -50,6 +50,7 @@ from experiments import common  # pylint: disable=g-import-not-at-top
 from experiments import scenario1_saved_activation as scenario1
 from gnmr_jax import metrics_log
 from gnmr_jax.precision import blockwise, registry
+from gnmr_jax import versions as versions_lib
 
 SCENARIO = "selection"
 RESULTS = os.path.join(common.RESULTS_DIR, "selection_cpu.json")
@@ -191,46 +192,32 @@ def train(config, workdir, data=None):
 
 def replay(priority, norms, gaps, measured, g, gap_every, rec_norms=None):
   """Masks used at each step 1..T and the ranking signal after each step, for one controller
-  replayed on logged per-unit norms [T, N], gaps [T, N] and recovery-gradient norms [T, N]
-  (default: the gaps; only 'relgap' reads them) (the library transform, jitted)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from gnmr_jax import control  # pylint: disable=g-import-not-at-top
-  from gnmr_jax.control import recovery_gap  # pylint: disable=g-import-not-at-top
+  replayed (gnmr_jax.control.replay) on logged per-unit norms [T, N], gaps [T, N] and
+  recovery-gradient norms [T, N] (default: the gaps; only 'relgap' reads them), measured every
+  `gap_every` steps where `measured` ([T] or [T, N]) holds (0: never)."""
+  from gnmr_jax.control import replay as replay_lib  # pylint: disable=g-import-not-at-top
   num_steps, n = norms.shape
-  # The controller of `g` with `priority`, over one layer-stacked leaf of n units.
   g = ml_collections.ConfigDict(g.to_dict())
-  g.update(priority=priority, units="", layer_axis=r"^u$")
-  tx = control.from_config(g, seed=0)
-  params = {"u": jnp.zeros((n, 1), jnp.float32)}
-
-  @jax.jit
-  def step(state, norm, gap, rec_norm, valid):
-    rg = recovery_gap.RecoveryGap({"u": gap}, {"u": rec_norm}, {"u": valid})
-    _, state = tx.update({"u": norm[:, None]}, state, params, recovery_gap=rg)
-    return state
-
-  state = tx.init(params)
-  masks, signals = np.zeros((num_steps, n), bool), np.zeros((num_steps, n))
-  for t in range(num_steps):
-    ctl = control.controller_state(state)
-    masks[t] = np.asarray(ctl.mask["u"])
-    valid = measured[t] & (((t + 1) - 1) % gap_every == 0) if gap_every else np.zeros(n, bool)
-    state = step(state, jnp.asarray(norms[t]), jnp.asarray(gaps[t]),
-                 jnp.asarray(gaps[t] if rec_norms is None else rec_norms[t]),
-                 jnp.asarray(np.broadcast_to(valid, (n,))))
-    ctl = control.controller_state(state)
-    if priority == "gnmr":
-      signals[t] = np.asarray(ctl.score["u"])
-    elif priority in ("gap", "oracle"):
-      signals[t] = np.asarray(state.gap["u"])
-    elif priority == "relgap":
-      est = np.asarray(state.gap["u"])
-      signals[t] = norms[t] * np.where(np.asarray(state.gap_count["u"]) > 0, est, 1.0)
-    elif priority in ("norm", "hybrid"):
-      signals[t] = norms[t]
-    else:
-      signals[t] = np.nan
+  g.priority = priority
+  measured = np.asarray(measured, bool)
+  measured = measured[:, None] if measured.ndim == 1 else measured
+  on_step = ((np.arange(1, num_steps + 1) - 1) % gap_every == 0 if gap_every
+             else np.zeros(num_steps, bool))
+  # The signal each priority ranks by: the paper's score, the gap estimate, the relative gap
+  # times the norm (its ranking's value), or the norm itself ('norm', 'hybrid').
+  signal = {"gnmr": "score", "gap": "gap", "oracle": "gap", "relgap": "value"}.get(priority)
+  fields = ("mask",) + ((signal,) if signal else ())
+  out = replay_lib.replay(g, norms, gaps=gaps, rec_norms=rec_norms,
+                          measured=np.broadcast_to(measured, (num_steps, n)) & on_step[:, None],
+                          fields=fields)
+  # The mask used at step t is the one chosen after step t - 1 (none at step 1).
+  masks = np.concatenate([np.zeros((1, n), bool), out["mask"][:-1]])
+  if signal:
+    signals = out[signal].astype(np.float64)
+  elif priority in ("norm", "hybrid"):
+    signals = np.asarray(norms, np.float64)
+  else:
+    signals = np.full((num_steps, n), np.nan)
   return masks, signals
 
 
@@ -423,7 +410,7 @@ def main(argv=None):
         runs = [r for r in by_arm.get(arm, []) if r["seed"] != row["seed"]]
         by_arm[arm] = sorted(runs + [row], key=lambda r: r["seed"])
       results.update(date=datetime.date.today().isoformat(),
-                     device=common.device_description(), versions=common.versions(),
+                     device=common.device_description(), versions=versions_lib.versions(),
                      base_config=base_config(args.steps).to_dict(), gap_every=GAP_EVERY,
                      hindsight=HINDSIGHT, perturbation=PERTURBATION)
     _update(change)

@@ -30,8 +30,6 @@ import datetime
 import itertools
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
@@ -41,7 +39,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN_RECORD_FILE = "threshold_sweep_run.json"
 SETTING_FIELDS = ("alpha", "beta", "delta", "max_o", "t_lock", "warmup")
 PAPER_THRESHOLDS = (2.0, 1.5)  # alpha, beta of the paper (and of the config default until 2026-12-02)
-UNIT_LEAF = "unit_norms"  # the one [N, 1, 1] leaf whose axis-0 slices carry the recorded norms
 
 
 def parse_floats(text: str) -> list[float]:
@@ -205,9 +202,8 @@ def replay(norms_BxTxN: np.ndarray, *, alpha: float, beta: float, delta: int, ma
            t_lock: int, warmup: int, priority: str = "gnmr") -> dict:
   """Runs the library's controller over batches of norm sequences, jitted.
 
-  Each step feeds one gradient tree {UNIT_LEAF: [N, 1, 1]} whose slice u holds n_t of unit u, so
-  the controller's own Frobenius norm of that slice is n_t; `units` and `layer_axis` select the
-  leaf and split it into N units.
+  gnmr_jax.control.replay.replay: each step feeds one gradient leaf whose slice u holds n_t of
+  unit u, so the controller's own norm of that slice is n_t.
 
   Args:
     norms_BxTxN: B independent sequences of T steps for N units (float32 after casting).
@@ -220,30 +216,11 @@ def replay(norms_BxTxN: np.ndarray, *, alpha: float, beta: float, delta: int, ma
   Returns:
     numpy arrays [B, T, N]: mask (chosen at step t, used at t + 1), risky, gnmr, delta_gnmr.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  import gnmr_jax  # pylint: disable=g-import-not-at-top
-
-  norms_BxTxN = np.asarray(norms_BxTxN, np.float32)
-  num_units = norms_BxTxN.shape[-1]
-  regex = f"^{UNIT_LEAF}$"
-  tx = gnmr_jax.control.from_config(ml_collections.ConfigDict(dict(
-      priority=priority, alpha=alpha, beta=beta, delta=delta, max_o=max_o, t_lock=t_lock,
-      warmup=warmup, units=regex, layer_axis=regex)))
-  params = {UNIT_LEAF: jnp.zeros((num_units, 1, 1), jnp.float32)}
-
-  def one_sequence(norms_TxN):
-    def step(state, norms_N):
-      _, state = tx.update({UNIT_LEAF: norms_N.reshape(num_units, 1, 1)}, state, params)
-      ctl = gnmr_jax.controller_state(state)
-      return state, tuple(getattr(ctl, k)[UNIT_LEAF]
-                          for k in ("mask", "risky", "gnmr", "delta_gnmr"))
-    _, out = jax.lax.scan(step, tx.init(params), norms_TxN)
-    return out
-
-  out = jax.jit(jax.vmap(one_sequence))(jnp.asarray(norms_BxTxN))
-  return {k: np.asarray(v) for k, v in zip(("mask", "risky", "gnmr", "delta_gnmr"), out)}
+  from gnmr_jax.control import replay as replay_lib  # pylint: disable=g-import-not-at-top
+  fields = ("mask", "risky", "gnmr", "delta_gnmr")
+  return replay_lib.replay(dict(priority=priority, alpha=alpha, beta=beta, delta=delta,
+                                max_o=max_o, t_lock=t_lock, warmup=warmup),
+                           norms_BxTxN, fields=fields)
 
 
 def draw_spikes(num_units: int, steps: int, warmup: int, draws: int, seed: int) -> np.ndarray:
@@ -323,30 +300,6 @@ def cross_check(log: dict, norms_TxN: np.ndarray, setting: dict) -> dict:
 
 
 # --------------------------------------------------------------------------------- report
-
-
-def versions() -> dict:
-  import flax  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, check=True,
-                            capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                           check=True, capture_output=True, text=True).stdout.strip()
-    commit += " (with uncommitted changes)" if dirty else ""
-  except (OSError, subprocess.CalledProcessError):
-    commit = "unknown"
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-  except OSError:
-    pass
-  return {"python": platform.python_version(), "jax": jax.__version__, "optax": optax.__version__,
-          "flax": flax.__version__, "numpy": np.__version__, "git": commit, "cpu": cpu,
-          "cores": os.cpu_count(), "backend": jax.default_backend(),
-          "devices": [str(d) for d in jax.devices()]}
 
 
 def _fmt_setting(r: dict) -> str:
@@ -583,6 +536,7 @@ def main():
   from gnmr_jax.config import gnmr_config  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   from gnmr_jax.control.config import t_lock_of  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import versions  # pylint: disable=g-import-not-at-top
   config = (run["record"] or {}).get("config")
   if not config:
     raise SystemExit(f"threshold_sweep.py: {workdir} holds no run record, so the controller "
@@ -622,7 +576,8 @@ def main():
   result = {
       "started": started.isoformat(), "command": "python " + " ".join(
           [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
-      "versions": versions(), "steps": steps, "num_units": num_units,
+      "versions": versions.versions(("jax", "optax", "flax", "numpy"), repo=REPO,
+                                    with_machine=True), "steps": steps, "num_units": num_units,
       "unit_names": log["unit_names"], "warmup": args.warmup, "draws": args.draws,
       "seed": args.seed, "factors": args.factors, "grid": grid, "paper_target_pct": 0.2,
       "default_setting": {k: defaults[k] for k in SETTING_FIELDS},

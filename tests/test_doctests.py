@@ -40,6 +40,7 @@ MODULES = (
     "gnmr_jax.data.tokenizers",
     "gnmr_jax.data.iterator",
     "gnmr_jax.aot.targets",
+    "gnmr_jax.versions",
 )
 
 # Public API that must carry a runnable example (">>>") in its docstring.

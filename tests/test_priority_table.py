@@ -48,13 +48,14 @@ def test_the_table_holds_the_built_in_priorities_with_a_doc_line_each():
     control.get_priority("nope")
 
 
-def _reference_masks(norms, max_o, t_lock, warmup):
-  """The budgeted rules in NumPy (float64): locked units first, then the smallest norms; the
-  mask made at step t is used at t + 1; a unit that enters gets t_lock steps of lock."""
+def _reference_masks(norms, max_o, t_lock, warmup, largest=False):
+  """The budgeted rules in NumPy (float64): locked units first, then the smallest norms (the
+  largest: 'norm'); the mask made at step t is used at t + 1; a unit that enters gets t_lock
+  steps of lock."""
   n = norms.shape[1]
   mask, lock, masks = np.zeros(n, bool), np.zeros(n, int), []
   for t, norm in enumerate(norms, start=1):
-    order = np.lexsort((norm, -(lock > 0).astype(int)))  # primary: locked first; then the smallest norm
+    order = np.lexsort((-norm if largest else norm, -(lock > 0).astype(int)))  # primary: locked first; then the smallest norm
     selected = np.zeros(n, bool)
     if t > warmup:
       selected[order[:max_o]] = True
@@ -114,3 +115,15 @@ def test_register_refuses_what_the_table_cannot_hold(registered, entry, message)
 def test_built_in_entries_cannot_be_unregistered():
   with pytest.raises(ValueError, match="'norm' is not a registered priority"):
     control.unregister_priority("norm")
+
+
+def test_replay_runs_the_configured_controller_over_batches_of_sequences():
+  from gnmr_jax.control import replay  # pylint: disable=import-outside-toplevel
+  norms = np.random.default_rng(1).uniform(0.5, 2.0, size=(2, 15, 6)).astype(np.float32)
+  g = dict(priority="norm", max_o=2, t_lock=3, warmup=2, alpha=2.0, beta=1.5, delta=4)
+  out = replay.replay(g, norms, fields=("mask", "value"))
+  for b in range(2):
+    np.testing.assert_array_equal(out["mask"][b], _reference_masks(norms[b], 2, 3, 2, True))
+    np.testing.assert_array_equal(out["value"][b], norms[b])  # the ranking's value: the norm
+  with pytest.raises(ValueError, match="'value' is a budgeted priority's field"):
+    replay.replay({**g, "priority": "gnmr"}, norms, fields=("value",))

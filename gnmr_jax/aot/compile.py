@@ -13,7 +13,6 @@ Example (needs the aot extra; tests/aot runs it):
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
 import re
@@ -29,6 +28,7 @@ from gnmr_jax.aot import inventory as inventory_lib
 from gnmr_jax.aot import program_cache
 from gnmr_jax.aot import step_time as step_time_lib
 from gnmr_jax.aot import targets as targets_lib
+from gnmr_jax import versions as versions_lib
 
 INSTALL_HINT = ("make aot-venv (builds .venv-aot beside .venv; run the tool with "
                 ".venv-aot/bin/python -m gnmr_jax.aot), or pip install 'gnmr_jax[aot]' in an "
@@ -79,18 +79,6 @@ def _find_spec(module: str):
     return importlib.util.find_spec(module)
   except ModuleNotFoundError:
     return None
-
-
-def versions() -> dict:
-  """Versions of the packages that decide what is compiled."""
-  out = {}
-  for package in ('jax', 'jaxlib', 'libtpu', 'jax-cuda12-plugin', 'jax-cuda12-pjrt',
-                  'nvidia-cuda-nvcc-cu12', 'flax'):
-    try:
-      out[package] = importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-      pass
-  return out
 
 
 def topology_devices(target: targets_lib.Target) -> list:
@@ -235,7 +223,7 @@ def compile_step(jitted, args, mesh, target: targets_lib.Target,
   entry_key = None
   if cache_dir:
     described = f'{target.name}\n{target.gpu_config or target.topology_name}'
-    entry_key = program_cache.key(lowered.as_text(), described, options, versions())
+    entry_key = program_cache.key(lowered.as_text(), described, options, versions_lib.package_versions(versions_lib.COMPILERS))
     program = program_cache.load(cache_dir, entry_key)
     if program is not None:
       return program, lower_s
@@ -310,7 +298,7 @@ def compile_config(config: ml_collections.ConfigDict, target: str | targets_lib.
                     # as resolved for the target's devices ('auto' never stays)
                     'microscaling_impl': run.config.precision.microscaling_impl,
                     'scaling': run.config.precision.scaling},
-      'versions': versions(), 'steps': {},
+      'versions': versions_lib.package_versions(versions_lib.COMPILERS), 'steps': {},
   }
   jitted = {'train': run.train_step, 'eval': run.eval_step}
   for step in steps:

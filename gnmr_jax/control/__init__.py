@@ -23,6 +23,7 @@ Modules:
   recommended    the constructors above, with the measurements that recommend each
   research       the research instruments and baselines
   recovery_gap   the recovery-gap measurement (:func:`measure`, :class:`GapProbe`)
+  replay         a controller replayed on logged per-unit signals (scripts, experiments)
   state          readers: :func:`recovery_mask`, :func:`controller_state`
   config         :func:`from_config`, the controller of ``config.gnmr``
 
