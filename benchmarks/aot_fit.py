@@ -32,7 +32,6 @@ def cell_path(name: str, target: str) -> str:
 
 
 def run_cell(name: str, target: str, overrides: dict) -> dict:
-  from gnmr_jax.aot import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from gnmr_jax import versions as versions_lib  # pylint: disable=g-import-not-at-top
   from gnmr_jax.aot import fit as fit_lib  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, os.path.join(ROOT, "configs"))

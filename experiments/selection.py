@@ -192,10 +192,10 @@ def train(config, workdir, data=None):
 
 def replay(priority, norms, gaps, measured, g, gap_every, rec_norms=None):
   """Masks used at each step 1..T and the ranking signal after each step, for one controller
-  replayed (gnmr_jax.control.replay) on logged per-unit norms [T, N], gaps [T, N] and
+  replayed (gnmr_jax.replay) on logged per-unit norms [T, N], gaps [T, N] and
   recovery-gradient norms [T, N] (default: the gaps; only 'relgap' reads them), measured every
   `gap_every` steps where `measured` ([T] or [T, N]) holds (0: never)."""
-  from gnmr_jax.control import replay as replay_lib  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import replay as replay_lib  # pylint: disable=g-import-not-at-top
   num_steps, n = norms.shape
   g = ml_collections.ConfigDict(g.to_dict())
   g.priority = priority

@@ -255,8 +255,10 @@ def _check_keys(config):
       valid |= set(priority_table.field_owners())
     extra = sorted(set(config[group].keys()) - valid)
     if extra:
+      registered = (" (a priority's own fields are valid once it is registered: "
+                    "gnmr_jax.control.register_priority)" if group == "gnmr" else "")
       raise ValueError(f"config.{group} has unknown fields {extra}; valid fields: "
-                       f"{sorted(reference[group].keys())}.")
+                       f"{sorted(valid)}{registered}.")
 
 
 def _check_unit_regexes(config):
@@ -342,7 +344,7 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   entry = priority_table.get(priority)
   options_of(g)  # the priority's own fields (the table's checks)
   check_priority_fields(g)  # a field that only another priority reads would be ignored
-  if g.enabled and entry.check_config is not None:
+  if entry.check_config is not None:
     entry.check_config(config)
   gap_every = config.diagnostics.recovery_gap_every if "diagnostics" in config else 0
   if "diagnostics" in config:

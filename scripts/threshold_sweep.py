@@ -202,7 +202,7 @@ def replay(norms_BxTxN: np.ndarray, *, alpha: float, beta: float, delta: int, ma
            t_lock: int, warmup: int, priority: str = "gnmr") -> dict:
   """Runs the library's controller over batches of norm sequences, jitted.
 
-  gnmr_jax.control.replay.replay: each step feeds one gradient leaf whose slice u holds n_t of
+  gnmr_jax.replay.replay: each step feeds one gradient leaf whose slice u holds n_t of
   unit u, so the controller's own norm of that slice is n_t.
 
   Args:
@@ -216,7 +216,7 @@ def replay(norms_BxTxN: np.ndarray, *, alpha: float, beta: float, delta: int, ma
   Returns:
     numpy arrays [B, T, N]: mask (chosen at step t, used at t + 1), risky, gnmr, delta_gnmr.
   """
-  from gnmr_jax.control import replay as replay_lib  # pylint: disable=g-import-not-at-top
+  from gnmr_jax import replay as replay_lib  # pylint: disable=g-import-not-at-top
   fields = ("mask", "risky", "gnmr", "delta_gnmr")
   return replay_lib.replay(dict(priority=priority, alpha=alpha, beta=beta, delta=delta,
                                 max_o=max_o, t_lock=t_lock, warmup=warmup),

@@ -131,20 +131,30 @@ LONG_FUNCTIONS = {"gnmr_jax/train_loop.py:train_and_evaluate": 125,
                   "gnmr_jax/train_loop.py:build": 115,
                   "gnmr_jax/precision/routing.py:routed_side_dot": 105,
                   "gnmr_jax/config.py:validate_config": 100,
-                  "gnmr_jax/model.py:__call__": 94}
+                  "gnmr_jax/model.py:Transformer.__call__": 94}
 
 
 def _function_lines(path):
-  """{name: lines} of every function in `path`, without its docstring."""
+  """{qualified name: lines} of every function in `path` (e.g. 'Block.__call__',
+  'gnmr.update_fn'), without its docstring."""
   lines = {}
-  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-      length = node.end_lineno - node.lineno + 1
-      first = node.body[0]
-      if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-          and isinstance(first.value.value, str)):
-        length -= first.end_lineno - first.lineno + 1
-      lines[node.name] = max(length, lines.get(node.name, 0))
+
+  def visit(node, prefix):
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        length = child.end_lineno - child.lineno + 1
+        first = child.body[0]
+        if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            and isinstance(first.value.value, str)):
+          length -= first.end_lineno - first.lineno + 1
+        lines[prefix + child.name] = max(length, lines.get(prefix + child.name, 0))
+        visit(child, f"{prefix}{child.name}.")
+      elif isinstance(child, ast.ClassDef):
+        visit(child, f"{prefix}{child.name}.")
+      else:
+        visit(child, prefix)
+
+  visit(ast.parse(path.read_text(encoding="utf-8")), "")
   return lines
 
 

@@ -105,7 +105,11 @@ def test_a_registered_field_is_checked_and_refused_for_another_priority(register
      "'max_o' is a shared config.gnmr field"),
     (control.Ranked("mine", "", rank=_smallest_first, fields=(control.Field("noise_upper", 1),)),
      "field 'noise_upper' is priority 'noise''s"),
-    ("norm", "takes a Ranked, StaticSet or Built entry")])
+    ("norm", "takes a Ranked, StaticSet or Built entry"),
+    (control.Ranked("norm", "", rank=_smallest_first), "'norm' is built in"),
+    (control.Ranked("mine", "", rank=_smallest_first,
+                    fields=(control.Field("a", 1), control.Field("a", 2))),
+     "distinct identifier names")])
 def test_register_refuses_what_the_table_cannot_hold(registered, entry, message):
   with pytest.raises(ValueError, match=message):
     control.register_priority(entry)
@@ -118,7 +122,7 @@ def test_built_in_entries_cannot_be_unregistered():
 
 
 def test_replay_runs_the_configured_controller_over_batches_of_sequences():
-  from gnmr_jax.control import replay  # pylint: disable=import-outside-toplevel
+  from gnmr_jax import replay  # pylint: disable=import-outside-toplevel
   norms = np.random.default_rng(1).uniform(0.5, 2.0, size=(2, 15, 6)).astype(np.float32)
   g = dict(priority="norm", max_o=2, t_lock=3, warmup=2, alpha=2.0, beta=1.5, delta=4)
   out = replay.replay(g, norms, fields=("mask", "value"))
@@ -127,3 +131,28 @@ def test_replay_runs_the_configured_controller_over_batches_of_sequences():
     np.testing.assert_array_equal(out["value"][b], norms[b])  # the ranking's value: the norm
   with pytest.raises(ValueError, match="'value' is a budgeted priority's field"):
     replay.replay({**g, "priority": "gnmr"}, norms, fields=("value",))
+
+
+def _over_one_and_a_half(signals, options):
+  """A ranking whose candidates are the units with a norm over 1.5, all at tier 0."""
+  del options
+  return control.Ranking(value=signals.norm, tier=jnp.zeros_like(signals.lock),
+                         candidate=signals.norm > 1.5)
+
+
+def test_a_ranking_cannot_drop_or_outrank_a_locked_unit():
+  """A unit that enters the mask keeps it for t_lock more steps, whatever candidates and tiers
+  the ranking returns: unit 1 enters at step 1 (lock 2) and holds the budget of 1 through
+  step 3 against unit 2's larger norm; unit 2 takes it at step 4."""
+  from gnmr_jax import replay  # pylint: disable=import-outside-toplevel
+  entry = control.register_priority(control.Ranked("over_threshold", "",
+                                                   rank=_over_one_and_a_half), replace=True)
+  try:
+    g = dict(priority="over_threshold", max_o=1, t_lock=2, warmup=0, alpha=2.0, beta=1.5,
+             delta=4)
+    norms = np.array([[1, 2, 1], [1, 1, 3], [1, 1, 3], [1, 1, 3]], np.float32)
+    masks = replay.replay(g, norms, fields=("mask",))["mask"]
+    np.testing.assert_array_equal(masks, [[False, True, False], [False, True, False],
+                                          [False, True, False], [False, False, True]])
+  finally:
+    control.unregister_priority(entry.name)

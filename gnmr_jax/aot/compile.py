@@ -223,7 +223,8 @@ def compile_step(jitted, args, mesh, target: targets_lib.Target,
   entry_key = None
   if cache_dir:
     described = f'{target.name}\n{target.gpu_config or target.topology_name}'
-    entry_key = program_cache.key(lowered.as_text(), described, options, versions_lib.package_versions(versions_lib.COMPILERS))
+    entry_key = program_cache.key(lowered.as_text(), described, options,
+                                  versions_lib.package_versions(versions_lib.COMPILERS))
     program = program_cache.load(cache_dir, entry_key)
     if program is not None:
       return program, lower_s

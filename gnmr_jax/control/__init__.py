@@ -23,11 +23,11 @@ Modules:
   recommended    the constructors above, with the measurements that recommend each
   research       the research instruments and baselines
   recovery_gap   the recovery-gap measurement (:func:`measure`, :class:`GapProbe`)
-  replay         a controller replayed on logged per-unit signals (scripts, experiments)
   state          readers: :func:`recovery_mask`, :func:`controller_state`
   config         :func:`from_config`, the controller of ``config.gnmr``
 
-This package imports jax, optax and itself only: it never imports the precision paths.
+This package imports jax, optax and itself only: it never imports the precision paths
+(:mod:`gnmr_jax.replay` replays a controller of a config on logged signals).
 """
 
 from gnmr_jax.control import research as research

@@ -43,28 +43,22 @@ and 'late_switch' are their own transform, :mod:`gnmr_jax.control.static_recipes
             ``noise_rank='norm'`` by the gradient-norm level (pi_u then decides whether a
             unit is recovered, the norm level which). With ``noise_gate='any'`` every unit
             is a candidate while any unit's pi_u is over the threshold.
-  'fixed'   a static set: the units whose name matches a regex (``fixed_pattern``; at most
-            max_o of them) run the recovery path at every step after warmup; no signal,
-            no lock. A set chosen in hindsight, or a practitioner's static recipe.
-  'last_blocks'  NVIDIA's NVFP4 recipe: every unit of the last ``last_blocks`` layers (of
-            each layer-stacked leaf) on the recovery path for the whole run after warmup.
-  'late_switch'  a global late switch ("FP4 All the Way"): every unit on the recovery path
-            from step ``switch_step`` on (max_o must cover every unit).
 
-Rules shared by every priority ('noise', static recipes: see above), for the mask of step t + 1:
+Rules shared by every ranking, for the mask of step t + 1:
 
-  tier     = 3 if n_t is not finite (not for 'random', which stays uniform); 'hybrid'
-             only: 2 if risky by the paper's rule (then ranked by the paper's score r);
-             1 if lock > 0; else 0
-  mask     = the max_o units first by tier, then by priority (ties: tree order)
+  tier     = 3 if n_t is not finite (not for 'random', which stays uniform); else the
+             ranking's tier ('hybrid', 'noise': 2 if risky by the paper's rule, then
+             ranked by the paper's score r), at least 1 if lock > 0; else 0
+  mask     = the max_o candidates first by tier, then by value (ties: tree order); a
+             locked unit is always a candidate
   lock     = t_lock for a unit that enters the mask (not in the mask of step t),
              lock - 1 for a locked unit, else 0
 
 so a unit that enters the mask stays in it for at least t_lock + 1 steps (unless
 non-finite units, or for 'hybrid' risky ones, take its place), the active set does not
 thrash between units of nearly equal priority, and a non-finite gradient is recovered at once.
-Every unit is a candidate (these priorities are persistent signals, not alarms), so the mask
-holds min(max_o, N) units every step after warmup ('fixed': its set).
+Every unit is a candidate but for 'noise' (the others are persistent signals, not alarms), so
+the mask holds min(max_o, N) units every step after warmup.
 
 The state is a :class:`PriorityState` holding a :class:`gnmr_jax.GNMRState` (the
 paper's statistics, computed as by ``gnmr(max_o=0)`` for telemetry and for the
@@ -74,6 +68,7 @@ controller's, so :func:`gnmr_jax.recovery_mask` and the train loop read it uncha
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
@@ -168,7 +163,7 @@ def _check_noise_upper(where, value, options):
 
 def _check_noise_lower(where, value, options):
   upper = options.get("noise_upper")
-  if (isinstance(value, bool) or not isinstance(value, (int, float))
+  if (isinstance(value, bool) or not isinstance(value, numbers.Real)
       or not 0 <= value <= upper):
     raise ValueError(f"{where} must be a float in [0, noise_upper={upper!r}], got {value!r}.")
 
@@ -291,9 +286,11 @@ def fold_gap(relative: bool, gap_decay: float, layout, state: PriorityState, rec
 def _select(priority: Ranked, ranking: Ranking, s: Signals, settings: Settings):
   """(selected, new lock) [N]: the first max_o candidates by (tier, value), after warmup."""
   num_units = s.norm.shape[0]
-  tier = _lock_tier(s) if ranking.tier is None else ranking.tier
+  # A locked unit stays a candidate and above the unlocked ones, whatever the ranking says.
+  tier = (_lock_tier(s) if ranking.tier is None
+          else jnp.maximum(ranking.tier, _lock_tier(s)))
   candidate = (jnp.ones((num_units,), jnp.bool_) if ranking.candidate is None
-               else ranking.candidate)
+               else ranking.candidate | (s.lock > 0))
   if priority.nonfinite_first:
     tier = jnp.where(s.finite, tier, 3)
   # lexsort: the last key is the primary one; it is stable, so ties keep tree order.

@@ -110,26 +110,35 @@ def register_priority(entry: Priority, *, replace: bool = False) -> Priority:
   Args:
     entry: a :class:`Ranked` (a ranking under the budgeted rules: the usual case),
       :class:`StaticSet` or :class:`Built` entry.
-    replace: allow replacing an entry of the same name (a notebook cell run twice).
+    replace: allow replacing a registered entry of the same name (a notebook cell run twice);
+      the built-in entries are never replaced.
 
   Returns:
     ``entry``.
 
   Raises:
-    ValueError: a name already there (without ``replace``), a field named like a shared
-      ``config.gnmr`` field or another priority's, or an entry without its callable.
+    ValueError: a built-in name, a name already there (without ``replace``), fields without
+      distinct identifier names or named like a shared ``config.gnmr`` field or another
+      priority's, or an entry without its callable.
   """
   if type(entry) not in (Ranked, StaticSet, Built):  # pylint: disable=unidiomatic-typecheck
     raise ValueError(f"register_priority takes a Ranked, StaticSet or Built entry, got "
                      f"{entry!r}.")
   if not isinstance(entry.name, str) or not entry.name.isidentifier():
     raise ValueError(f"a priority's name must be an identifier, got {entry.name!r}.")
+  if entry.name in _BUILT_IN:
+    raise ValueError(f"priority {entry.name!r} is built in; name yours otherwise.")
   if entry.name in _TABLE and not replace:
     raise ValueError(f"priority {entry.name!r} is already in the table (replace=True to "
                      f"replace it).")
-  needed = {Ranked: "rank", StaticSet: "unit_set", Built: "constructor"}[type(entry)]  # pylint: disable=unidiomatic-typecheck
+  needed = {Ranked: "rank", StaticSet: "unit_set", Built: "constructor"}[type(entry)]
   if not callable(getattr(entry, needed)):
     raise ValueError(f"priority {entry.name!r}: `{needed}` must be callable.")
+  names_given = [f.name for f in entry.fields]
+  if len(set(names_given)) != len(names_given) or not all(
+      isinstance(n, str) and n.isidentifier() for n in names_given):
+    raise ValueError(f"priority {entry.name!r}: its fields must have distinct identifier "
+                     f"names, got {names_given}.")
   owners = field_owners()
   for f in entry.fields:
     if f.name in SHARED_FIELDS:

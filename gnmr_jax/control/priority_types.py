@@ -10,8 +10,8 @@ recovery path next step. Three kinds, one base:
   :class:`Built`      a controller with its own transform (the paper's rule, saturation)
 
 Each carries its own fields (``config.gnmr.<field>``, with their defaults and checks), its
-default lock and its doc line, so the config, :func:`gnmr_jax.control.from_config` and the
-train step read one table. A user adds a priority with
+default lock and its doc line, so the config checks and :func:`gnmr_jax.control.from_config`
+read one table. A user adds a priority with
 :func:`gnmr_jax.control.register_priority` (docs/guides/controller.md, "A priority of your own").
 """
 
@@ -86,8 +86,10 @@ class Ranking(NamedTuple):
   """A ranking's answer for one step: the engine keeps the first ``max_o`` candidates by
   (tier, value), ties in tree order."""
   value: jax.Array                       # float32 [N]: higher first (kept in the state)
-  tier: Optional[jax.Array] = None       # int32 [N]: above value; None: 1 if locked, else 0
-  candidate: Optional[jax.Array] = None  # bool [N]: may be selected; None: every unit
+  tier: Optional[jax.Array] = None       # int32 [N]: above value (a locked unit's is >= 1,
+                                         # a non-finite one's 3); None: 1 if locked, else 0
+  candidate: Optional[jax.Array] = None  # bool [N]: may be selected (locked units always
+                                         # are); None: every unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +158,6 @@ class StaticSet(Priority):
   """
   unit_set: Callable[[Any, Mapping[str, Any]], tuple] = None
   first_step: Callable[[Mapping[str, Any]], int] = lambda options: 0
-  t_lock: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,6 +64,7 @@ def test_the_report_names_the_kernel_auto_resolved_to_and_the_program_runs_it(ta
 def test_splash_bodies_name_their_sources_relative_to_the_checkout():
   """The Mosaic bodies in the lowered TPU program (the program cache's key) carry their debug
   locations; relative file names keep the key the same for a checkout in any directory."""
+  compile_lib.prepare_environment()
   config = tier_config('static', 'bf16', batch=(2, SEQ), **SHAPE)
   run, state, batch = compile_lib.build_abstract(
       config, compile_lib.topology_devices(targets_lib.get_target('v5e-1')))

@@ -16,14 +16,14 @@ import ml_collections
 import numpy as np
 
 from gnmr_jax.control import config as control_config
+from gnmr_jax.control import priorities
 from gnmr_jax.control import recovery_gap as recovery_gap_lib
 from gnmr_jax.control import state as state_lib
-from gnmr_jax.control.priorities import PriorityState
 
 UNIT_LEAF = "u"  # the one leaf the replayed units are slices of
 # Fields of the controller's GNMRState (per unit) and of a budgeted PriorityState a replay returns.
 CONTROLLER_FIELDS = ("mask", "lock", "risky", "score", "gnmr", "delta_gnmr", "norm")
-PRIORITY_FIELDS = ("value", "gap", "gap_count")
+BUDGETED_FIELDS = ("value", "gap", "gap_count")
 
 
 def replay(g, norms, *, gaps=None, rec_norms=None, measured=None, overflow=None, seed: int = 0,
@@ -43,25 +43,30 @@ def replay(g, norms, *, gaps=None, rec_norms=None, measured=None, overflow=None,
     overflow: [..., T, N] bool, a saturated low-cost step per unit (``update(overflow=)``).
     seed: the controller's seed (priority 'random').
     fields: which state fields to return: :data:`CONTROLLER_FIELDS`, and for a budgeted
-      priority :data:`PRIORITY_FIELDS`.
+      priority :data:`BUDGETED_FIELDS`.
 
   Returns:
     {field: numpy array [..., T, N]}: the field after step t (the mask chosen at step t is
     used at step t + 1).
 
   Raises:
-    ValueError: a field the controller does not keep.
+    ValueError: a field the controller does not keep, norms without a step and a unit axis,
+      or `measured` / `rec_norms` without `gaps`.
   """
   g = ml_collections.ConfigDict(dict(g))
   g.update(units=f"^{UNIT_LEAF}$", layer_axis=f"^{UNIT_LEAF}$")
   tx = control_config.from_config(g, seed=seed)
   norms = np.asarray(norms, np.float32)
+  if norms.ndim < 2:
+    raise ValueError(f"replay: norms must be [..., T, N], got shape {norms.shape}.")
+  if gaps is None and (measured is not None or rec_norms is not None):
+    raise ValueError("replay: `measured` and `rec_norms` describe `gaps`: pass the gaps too.")
   num_units = norms.shape[-1]
   params = {UNIT_LEAF: jnp.zeros((num_units, 1), jnp.float32)}
-  unknown = [f for f in fields if f not in CONTROLLER_FIELDS + PRIORITY_FIELDS]
+  unknown = [f for f in fields if f not in CONTROLLER_FIELDS + BUDGETED_FIELDS]
   if unknown:
     raise ValueError(f"replay: no state field {unknown}; fields: "
-                     f"{CONTROLLER_FIELDS + PRIORITY_FIELDS}.")
+                     f"{CONTROLLER_FIELDS + BUDGETED_FIELDS}.")
   inputs = {"norm": norms}
   if gaps is not None:
     inputs["gap"] = np.asarray(gaps, np.float32)
@@ -93,7 +98,7 @@ def replay(g, norms, *, gaps=None, rec_norms=None, measured=None, overflow=None,
 def _field(state, field: str):
   if field in CONTROLLER_FIELDS:
     return getattr(state_lib.controller_state(state), field)[UNIT_LEAF]
-  if not isinstance(state, PriorityState):
+  if not isinstance(state, priorities.PriorityState):
     raise ValueError(f"replay: {field!r} is a budgeted priority's field; this controller keeps "
                      f"a {type(state).__name__}.")
   return getattr(state, field)[UNIT_LEAF]
