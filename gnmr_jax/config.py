@@ -295,14 +295,8 @@ def _check_finite(config):
         raise ValueError(f"config.{group}.{field} must be an integer, got {value!r}.")
 
 
-def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) -> None:
-  """Checks every field before anything is built or traced. Raises ValueError naming the field."""
-  _check_keys(config)
-  _check_finite(config)
-  validate_model_config(config.model)
-  validate_data_config(config.data)
-  validate_precision(config.precision)
-  t, o, g, c, lg = config.train, config.optimizer, config.gnmr, config.checkpoint, config.logging
+def _validate_train_and_optimizer(config: ml_collections.ConfigDict) -> None:
+  t, o = config.train, config.optimizer
   _int(t, "train", "steps", 1)
   _int(t, "train", "seed", 0)
   _int(t, "train", "eval_every", 0)
@@ -326,6 +320,12 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   _float(o, "optimizer", "eps")
   _float(o, "optimizer", "grad_clip", 0.0, inclusive=True)
   _choice(o, "optimizer", "nonfinite", NONFINITE_POLICIES)
+
+
+def _validate_controller(config: ml_collections.ConfigDict) -> None:
+  """config.gnmr: the shared fields, the priority's own (the priority table's checks) and what
+  the priority and the routed mode need elsewhere in the config."""
+  g = config.gnmr
   if not isinstance(g.enabled, bool):
     raise ValueError(f"config.gnmr.enabled must be True or False, got {g.enabled!r}.")
   _float(g, "gnmr", "alpha")
@@ -347,25 +347,7 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   if entry.check_config is not None:
     entry.check_config(config)
   gap_every = config.diagnostics.recovery_gap_every if "diagnostics" in config else 0
-  if "diagnostics" in config:
-    _int(config.diagnostics, "diagnostics", "recovery_gap_every", 0)
-    if "recovery_gap_start" in config.diagnostics:
-      _int(config.diagnostics, "diagnostics", "recovery_gap_start", 0)
-    gap_pass = config.diagnostics.get("recovery_gap_pass", "recovery")
-    split = config.diagnostics.get("recovery_gap_split", False)
-    if not isinstance(split, bool):
-      raise ValueError(f"config.diagnostics.recovery_gap_split must be True or False, got "
-                       f"{split!r}.")
-    accum = config.train.get("grad_accum_steps", 1)
-    if split and config.data.batch_size % (2 * accum):
-      raise ValueError(f"config.diagnostics.recovery_gap_split accumulates each half batch over "
-                       f"config.train.grad_accum_steps={accum} micro-batches: "
-                       f"config.data.batch_size={config.data.batch_size} must be a multiple of "
-                       f"{2 * accum}.")
-    if split and gap_pass == "swapped":
-      raise ValueError("config.diagnostics.recovery_gap_split splits the all-recovered pass: "
-                       "use recovery_gap_pass 'recovery' or 'uniform', not 'swapped'.")
-    _choice(config.diagnostics, "diagnostics", "recovery_gap_pass", GAP_PASSES, gap_pass)
+  _validate_diagnostics(config)
   if g.enabled and entry.reads_gap and not gap_every:
     raise ValueError(f"config.gnmr.priority={priority!r} ranks units by a measured recovery "
                      "gap: set config.diagnostics.recovery_gap_every to K > 0 (measure every K "
@@ -378,7 +360,33 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
     raise ValueError(f"config.precision.side_buffer_units={units} < config.gnmr.max_o="
                      f"{g.max_o}: recoveries beyond the buffer would run the low-cost path; "
                      "use 0 (= max_o) or at least max_o.")
-  _check_unit_regexes(config)
+
+
+def _validate_diagnostics(config: ml_collections.ConfigDict) -> None:
+  if "diagnostics" not in config:
+    return
+  _int(config.diagnostics, "diagnostics", "recovery_gap_every", 0)
+  if "recovery_gap_start" in config.diagnostics:
+    _int(config.diagnostics, "diagnostics", "recovery_gap_start", 0)
+  gap_pass = config.diagnostics.get("recovery_gap_pass", "recovery")
+  split = config.diagnostics.get("recovery_gap_split", False)
+  if not isinstance(split, bool):
+    raise ValueError(f"config.diagnostics.recovery_gap_split must be True or False, got "
+                     f"{split!r}.")
+  accum = config.train.get("grad_accum_steps", 1)
+  if split and config.data.batch_size % (2 * accum):
+    raise ValueError(f"config.diagnostics.recovery_gap_split accumulates each half batch over "
+                     f"config.train.grad_accum_steps={accum} micro-batches: "
+                     f"config.data.batch_size={config.data.batch_size} must be a multiple of "
+                     f"{2 * accum}.")
+  if split and gap_pass == "swapped":
+    raise ValueError("config.diagnostics.recovery_gap_split splits the all-recovered pass: "
+                     "use recovery_gap_pass 'recovery' or 'uniform', not 'swapped'.")
+  _choice(config.diagnostics, "diagnostics", "recovery_gap_pass", GAP_PASSES, gap_pass)
+
+
+def _validate_checkpoint_and_logging(config: ml_collections.ConfigDict) -> None:
+  c, lg = config.checkpoint, config.logging
   _int(c, "checkpoint", "every_steps", 0)
   _int(c, "checkpoint", "max_to_keep", 1)
   _int(lg, "logging", "log_every", 1)
@@ -386,6 +394,19 @@ def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) ->
   for field in ("tensorboard", "progress_bar", "plots"):
     if not isinstance(lg[field], bool):
       raise ValueError(f"config.logging.{field} must be True or False, got {lg[field]!r}.")
+
+
+def validate_config(config: ml_collections.ConfigDict, device_count: int = 0) -> None:
+  """Checks every field before anything is built or traced. Raises ValueError naming the field."""
+  _check_keys(config)
+  _check_finite(config)
+  validate_model_config(config.model)
+  validate_data_config(config.data)
+  validate_precision(config.precision)
+  _validate_train_and_optimizer(config)
+  _validate_controller(config)
+  _check_unit_regexes(config)
+  _validate_checkpoint_and_logging(config)
   extra = sorted(set(config.mesh.keys()) - set(MESH_FIELDS))
   if extra:
     raise ValueError(f"config.mesh has unknown fields {extra}; valid fields: {list(MESH_FIELDS)}.")

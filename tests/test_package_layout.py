@@ -130,7 +130,6 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS = {"gnmr_jax/train_loop.py:train_and_evaluate": 125,
                   "gnmr_jax/train_loop.py:build": 115,
                   "gnmr_jax/precision/routing.py:routed_side_dot": 105,
-                  "gnmr_jax/config.py:validate_config": 100,
                   "gnmr_jax/model.py:Transformer.__call__": 94}
 
 
