@@ -95,8 +95,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
     config.mesh = sharding.mesh_config_of(mesh)
     devices = list(mesh.devices.flat)
   validate_config(config, len(devices) if devices is not None else jax.device_count())
-  if mesh is None:
-    mesh = sharding.make_mesh(config.mesh, devices)
+  mesh = mesh if mesh is not None else sharding.make_mesh(config.mesh, devices)
   # 'auto' microscaling GEMMs and scaling recipe resolved for the mesh's devices (compile-only
   # ones included), and recorded: every policy built from this config below, and run.config,
   # say which.
@@ -109,19 +108,7 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
     data = make_data(config.data, jax.process_index(), jax.process_count())
   elif hasattr(data, "for_config"):  # prebuilt: this run's seed, or a ValueError on a mismatch
     data = data.for_config(config.data)
-  model_config = ml_collections.ConfigDict(config.model.to_dict())
-  model_config.vocab_size = -(-int(data.vocab_size) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-  # 'auto' attention resolved for the same device (cuDNN / splash / XLA), and recorded.
-  model_config.attention = attention_lib.resolve(
-      model_config.attention, device, seq_len=config.data.seq_len,
-      head_dim=model_config.d_model // model_config.num_heads, dtype=model_config.dtype)
-  config.model.attention = model_config.attention
-  if policy.routed:
-    model_config.scan_unroll = policy.scan_unroll(model_config.num_layers,
-                                                  mesh.devices.flat[0].platform)
-  else:  # the static step's layer layout per backend (model_configs.static_scan_unroll)
-    model_config.scan_unroll = static_scan_unroll(model_config, device.platform)
-  config.model.scan_unroll = model_config.scan_unroll
+  model_config = _model_config_for(config, data.vocab_size, policy, device)
   accum_steps = int(config.train.get("grad_accum_steps", 1))
   # Each micro-batch splits over the batch axes as the whole batch would (grad_accumulation.py).
   sharding.check_model_fits_mesh(model_config, mesh, config.data.batch_size // accum_steps,
@@ -133,18 +120,8 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
   seq_len = config.data.seq_len
   replicated = sharding.replicated(mesh)
 
-  perturbation = float(config.train.get("init_perturbation", 0.0))
-
-  def state_of(params, rng):
-    if perturbation:  # the noise floor of a seed: the same init but for ~one rounding
-      keys = jax.random.split(jax.random.fold_in(rng, 2), len(jax.tree_util.tree_leaves(params)))
-      params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), [
-          p * (1 + perturbation * jax.random.normal(k, p.shape, p.dtype))
-          for p, k in zip(jax.tree_util.tree_leaves(params), keys)])
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                      rng=jax.random.key_data(jax.random.fold_in(rng, 1)),
-                      amax_history=(init_amax_history(model_config, policy.amax_history_length)
-                                    if policy.takes_history else None))
+  state_of = _state_maker(tx, model_config, policy,
+                          float(config.train.get("init_perturbation", 0.0)))
 
   def init_state(rng):
     return state_of(sharding.init_unboxed(model, rng, jnp.zeros((1, seq_len), jnp.int32)), rng)
@@ -167,22 +144,10 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
                   injector=injector, probe=probe, recovery_model=recovery_model,
                   swap_model=swap_model, grad_accum_steps=accum_steps)
   if task is None:  # the language-model objective: sharded params and optimizer state
-    state_sh = TrainState(
-        step=replicated, params=param_sh,
-        opt_state=sharding.opt_state_shardings(abstract.opt_state, abstract.params, param_sh,
-                                               replicated),
-        rng=replicated,
-        # a few floats per unit: every device keeps them all
-        amax_history=jax.tree_util.tree_map(lambda _: replicated, abstract.amax_history))
+    state_sh = _lm_state_shardings(abstract, param_sh, replicated)
     train_fn, eval_fn = step_lib.train_step, step_lib.eval_step
   else:
-    if accum_steps > 1:  # a task's step is its own: it would ignore the micro-batches
-      raise ValueError(f"config.train.grad_accum_steps={accum_steps}: the task "
-                       f"{type(task).__name__} runs its own train step, which does not "
-                       f"accumulate; use grad_accum_steps=1 (or a smaller data.batch_size).")
-    init_state = functools.partial(task.init_state, spec=spec)
-    with sharding.activation_sharding(mesh):
-      abstract = jax.eval_shape(init_state, abstract_key)
+    init_state, abstract = _task_init(task, spec, mesh, abstract_key, accum_steps)
     state_sh = jax.tree_util.tree_map(lambda _: replicated, abstract)
     train_fn, eval_fn = task.train_step, task.eval_step
   batch_sh = sharding.batch_sharding(mesh)
@@ -198,6 +163,65 @@ def build(config: ml_collections.ConfigDict, *, data=None, devices=None,
              unit_names=layout.names() if config.gnmr.enabled else [], faults=injector,
              spec=spec, task=task,
              abstract_state=checkpointing.abstract_like(abstract, state_sh))
+
+
+def _lm_state_shardings(abstract, param_sh, replicated) -> TrainState:
+  """The language-model state's shardings: the params' and their optimizer state's, the rest
+  replicated (the amax histories are a few floats per unit: every device keeps them all)."""
+  return TrainState(
+      step=replicated, params=param_sh,
+      opt_state=sharding.opt_state_shardings(abstract.opt_state, abstract.params, param_sh,
+                                             replicated),
+      rng=replicated,
+      amax_history=jax.tree_util.tree_map(lambda _: replicated, abstract.amax_history))
+
+
+def _task_init(task, spec, mesh, abstract_key, accum_steps: int):
+  """(init_state(rng), its abstract state) of a `task` that replaces the LM objective."""
+  if accum_steps > 1:  # a task's step is its own: it would ignore the micro-batches
+    raise ValueError(f"config.train.grad_accum_steps={accum_steps}: the task "
+                     f"{type(task).__name__} runs its own train step, which does not "
+                     f"accumulate; use grad_accum_steps=1 (or a smaller data.batch_size).")
+  init_state = functools.partial(task.init_state, spec=spec)
+  with sharding.activation_sharding(mesh):
+    return init_state, jax.eval_shape(init_state, abstract_key)
+
+
+def _model_config_for(config, vocab_size: int, policy, device) -> ml_collections.ConfigDict:
+  """The model's config as built for `device`: the vocabulary padded to VOCAB_MULTIPLE, 'auto'
+  attention (cuDNN / splash / XLA) and the layer layout resolved; both recorded in
+  `config.model` too."""
+  model_config = ml_collections.ConfigDict(config.model.to_dict())
+  model_config.vocab_size = -(-int(vocab_size) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+  model_config.attention = attention_lib.resolve(
+      model_config.attention, device, seq_len=config.data.seq_len,
+      head_dim=model_config.d_model // model_config.num_heads, dtype=model_config.dtype)
+  config.model.attention = model_config.attention
+  if policy.routed:
+    model_config.scan_unroll = policy.scan_unroll(model_config.num_layers, device.platform)
+  else:  # the static step's layer layout per backend (model_configs.static_scan_unroll)
+    model_config.scan_unroll = static_scan_unroll(model_config, device.platform)
+  config.model.scan_unroll = model_config.scan_unroll
+  return model_config
+
+
+def _state_maker(tx, model_config, policy, perturbation: float):
+  """`state_of(params, rng)`: the TrainState around `params`; with `perturbation`, each param
+  times (1 + perturbation * z) (the noise floor of a seed: the same init but for ~one
+  rounding)."""
+
+  def state_of(params, rng):
+    if perturbation:
+      keys = jax.random.split(jax.random.fold_in(rng, 2), len(jax.tree_util.tree_leaves(params)))
+      params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), [
+          p * (1 + perturbation * jax.random.normal(k, p.shape, p.dtype))
+          for p, k in zip(jax.tree_util.tree_leaves(params), keys)])
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      rng=jax.random.key_data(jax.random.fold_in(rng, 1)),
+                      amax_history=(init_amax_history(model_config, policy.amax_history_length)
+                                    if policy.takes_history else None))
+
+  return state_of
 
 
 def _gap_probe(config, model_config, policy, device):
