@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import optax
 
 import gnmr_jax
+from gnmr_jax.config import gnmr_config
 
-UNITS = r"layers/(attn|mlp)/(q|k|v|o|gate|up|down)/kernel"
+UNITS = gnmr_config().units  # the projections' kernels (from gnmr_jax.model.PROJECTIONS)
 
 
 def llama_shapes(d_model, num_layers, ffn_dim, vocab, num_kv_heads_dim=None):

@@ -58,7 +58,8 @@ def gnmr_config() -> ml_collections.ConfigDict:
   # Steps during which statistics accumulate but nothing is recovered.
   c.warmup = 20
   # Regex over '/'-joined param paths selecting the recoverable units (the 7 projections).
-  c.units = r"layers/(attn|mlp)/(q|k|v|o|gate|up|down)/kernel"
+  c.units = (f"layers/({'|'.join(PROJECTIONS)})/"
+             f"({'|'.join(n for names in PROJECTIONS.values() for n in names)})/kernel")
   # Regex selecting layer-stacked leaves whose axis-0 slices are separate units.
   c.layer_axis = r"^layers/"
   # How the max_o units are ranked (gnmr_jax/control/priority_table.py; control.register_priority

@@ -54,8 +54,8 @@ PROJECTIONS = {'attn': ('q', 'k', 'v', 'o'), 'mlp': ('gate', 'up', 'down')}
 UNITS_PER_LAYER = sum(len(names) for names in PROJECTIONS.values())
 # Matches exactly the 7 projection kernels, with or without a 'params/' prefix,
 # under re.search or re.fullmatch on '/'-joined paths.
-PROJECTION_UNITS_REGEX = (
-    r'(?:^|.*/)layers/(?:attn/(?:q|k|v|o)|mlp/(?:gate|up|down))/kernel$')
+PROJECTION_UNITS_REGEX = (r'(?:^|.*/)layers/(?:' + '|'.join(
+    f"{group}/(?:{'|'.join(names)})" for group, names in PROJECTIONS.items()) + r')/kernel$')
 # Axis of the stacked projection kernels (and of their mask leaves) that
 # indexes the layer.
 LAYER_AXIS = 0
