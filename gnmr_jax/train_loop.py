@@ -291,6 +291,74 @@ class _Preemption:
       signal.signal(signal.SIGTERM, self._previous)
 
 
+def _restore_or_init(run, ckpt, fingerprint: dict, train_iter):
+  """(start step, state, a task's fields before training): the latest checkpoint of this config
+  (its data iterator's position restored into `train_iter`), or a fresh init at step 0."""
+  with sharding.activation_sharding(run.mesh):
+    restored = ckpt.restore(run.abstract_state, fingerprint)
+    if restored is not None:
+      start, state, data_state = restored
+      train_iter.set_state(data_state)
+      return start, state, {}
+    state = run.init_state(jax.random.key(run.config.train.seed))
+    # e.g. the base model's scores before fine-tuning
+    task_fields = {} if run.task is None else run.task.summary_fields(run, state, final=False)
+    return 0, state, task_fields
+
+
+def _nonfinite_streak(config, bad_streak: int, step: int, guarded: bool,
+                      latest_step) -> FloatingPointError:
+  """The error that stops a run after too many non-finite steps, naming what was kept."""
+  what = {"skip": "updates were skipped", "zero": "non-finite updates were zeroed",
+          "none": "optimizer.nonfinite='none' let them into the parameters"}
+  kept = (f"the checkpoint saved at step {step} holds the last good parameters" if guarded
+          else f"the last checkpoint before them is at step {latest_step}")
+  return FloatingPointError(
+      f"{bad_streak} consecutive steps with a non-finite loss or gradient (up to step "
+      f"{step - 1}, train.max_consecutive_nonfinite={config.train.max_consecutive_nonfinite}"
+      f"); {what[config.optimizer.nonfinite]}, so {kept}. Lower optimizer.learning_rate or "
+      f"check the data.")
+
+
+def _summary(run, state, stats, *, workdir: str, step: int, start: int, preempted: bool,
+             corrupted, last_eval, task_fields) -> dict:
+  """The run's summary: where it stopped, its seeds and precision, the last eval, a task's
+  fields, and the controller's spend (recovered unit-steps, threshold exceedance,
+  saturation) from the last logged step."""
+  config, task = run.config, run.task
+  summary = {"workdir": workdir, "step": int(step), "preempted": preempted,
+             "resumed_from_step": int(start),
+             "corrupted_checkpoints": [[int(s), r] for s, r in corrupted],
+             "seeds": {"train": int(config.train.seed), "data": int(config.data.seed),
+                       "init_perturbation": float(config.train.get("init_perturbation", 0.0))},
+             "precision_mode": config.precision.mode,
+             "low_cost_path": config.precision.low_cost_path,
+             "num_params": int(sum(x.size for x in jax.tree_util.tree_leaves(
+                 state.params if task is None else task.trainable(state)))),
+             "unigram_perplexity": float(run.data.unigram_perplexity),
+             "tokens_per_s": stats.tokens_per_s,
+             "side_buffer_dropped": stats.dropped_total}
+  if last_eval is not None:
+    summary.update(last_eval)
+  if task is not None:
+    with sharding.activation_sharding(run.mesh):
+      summary.update(task_fields, **task.summary_fields(run, state, final=True))
+  last_host = stats.last
+  if last_host is not None and "num_units" in last_host:
+    unit_steps = max(int(last_host["num_units"]) * int(step), 1)
+    # active_unit_steps sums the masks produced at steps 1..T, used at steps 2..T+1 (step 1
+    # uses the initial, empty mask): the last one was used by no step of this run.
+    used_unit_steps = int(last_host["active_unit_steps"]) - int(last_host["num_active"])
+    summary.update(
+        num_units=int(last_host["num_units"]),
+        recovered_unit_steps_pct=100.0 * used_unit_steps / unit_steps,
+        threshold_exceedance_pct=100.0 * int(last_host["risky_unit_steps"]) / unit_steps)
+  if stats.saturation_unit_steps:  # of the steps this process ran (a resumed run: since then)
+    summary["saturated_per_1000_unit_steps"] = (
+        1000.0 * stats.saturated_unit_steps / stats.saturation_unit_steps)
+  return summary
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=None,
                        devices=None, stop_at: Optional[int] = None, make_tx=None,
                        task=None, mesh: Optional[jax.sharding.Mesh] = None) -> dict:
@@ -322,18 +390,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
   ckpt = checkpointing.Checkpointer(workdir, config.checkpoint.max_to_keep)
   fingerprint = checkpointing.config_fingerprint(config, run.data.vocab_size)
   train_iter = run.data.train_iterator()
-  with sharding.activation_sharding(run.mesh):
-    restored = ckpt.restore(run.abstract_state,
-                            fingerprint)
-    task_fields = {}
-    if restored is None:
-      state = run.init_state(jax.random.key(config.train.seed))
-      start = 0
-      if task is not None:  # e.g. the base model's scores before fine-tuning
-        task_fields = task.summary_fields(run, state, final=False)
-    else:
-      start, state, data_state = restored
-      train_iter.set_state(data_state)
+  start, state, task_fields = _restore_or_init(run, ckpt, fingerprint, train_iter)
   total = config.train.steps
   if is_main:
     metrics_log.truncate_logs(workdir, start)
@@ -370,17 +427,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
         guarded = config.optimizer.nonfinite != "none"
         if guarded:  # the guard kept NaN/Inf out of the params: this state is the last good one
           save(step, force=True)
-        what = {"skip": "updates were skipped", "zero": "non-finite updates were zeroed",
-                "none": "optimizer.nonfinite='none' let them into the parameters"}
-        kept = (f"the checkpoint saved at step {step} holds the last good parameters" if guarded
-                else f"the last checkpoint before them is at step {ckpt.latest_step()}")
+        latest = ckpt.latest_step()
         ckpt.close()
         log.close()
-        raise FloatingPointError(
-            f"{bad_streak} consecutive steps with a non-finite loss or gradient (up to step "
-            f"{step - 1}, train.max_consecutive_nonfinite={config.train.max_consecutive_nonfinite}"
-            f"); {what[config.optimizer.nonfinite]}, so {kept}. Lower optimizer.learning_rate or "
-            f"check the data.")
+        raise _nonfinite_streak(config, bad_streak, step, guarded, latest)
       if config.train.eval_every and step % config.train.eval_every == 0 and step < total:
         stats.observe(*pending)
         pending = None
@@ -401,36 +451,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, data=
     save(step, force=True)
   ckpt.close()
 
-  summary = {"workdir": workdir, "step": int(step), "preempted": preempted,
-             "resumed_from_step": int(start),
-             "corrupted_checkpoints": [[int(s), r] for s, r in ckpt.corrupted],
-             "seeds": {"train": int(config.train.seed), "data": int(config.data.seed),
-                       "init_perturbation": float(config.train.get("init_perturbation", 0.0))},
-             "precision_mode": config.precision.mode,
-             "low_cost_path": config.precision.low_cost_path,
-             "num_params": int(sum(x.size for x in jax.tree_util.tree_leaves(
-                 state.params if task is None else task.trainable(state)))),
-             "unigram_perplexity": float(run.data.unigram_perplexity),
-             "tokens_per_s": stats.tokens_per_s,
-             "side_buffer_dropped": stats.dropped_total}
-  if last_eval is not None:
-    summary.update(last_eval)
-  if task is not None:
-    with sharding.activation_sharding(run.mesh):
-      summary.update(task_fields, **task.summary_fields(run, state, final=True))
-  last_host = stats.last
-  if last_host is not None and "num_units" in last_host:
-    unit_steps = max(int(last_host["num_units"]) * int(step), 1)
-    # active_unit_steps sums the masks produced at steps 1..T, used at steps 2..T+1 (step 1
-    # uses the initial, empty mask): the last one was used by no step of this run.
-    used_unit_steps = int(last_host["active_unit_steps"]) - int(last_host["num_active"])
-    summary.update(
-        num_units=int(last_host["num_units"]),
-        recovered_unit_steps_pct=100.0 * used_unit_steps / unit_steps,
-        threshold_exceedance_pct=100.0 * int(last_host["risky_unit_steps"]) / unit_steps)
-  if stats.saturation_unit_steps:  # of the steps this process ran (a resumed run: since then)
-    summary["saturated_per_1000_unit_steps"] = (
-        1000.0 * stats.saturated_unit_steps / stats.saturation_unit_steps)
+  summary = _summary(run, state, stats, workdir=workdir, step=step, start=start,
+                     preempted=preempted, corrupted=ckpt.corrupted, last_eval=last_eval,
+                     task_fields=task_fields)
   if is_main and config.logging.plots and not preempted:
     from gnmr_jax import plots  # pylint: disable=g-import-not-at-top
     summary["plots"] = plots.plot_run(workdir)
