@@ -31,7 +31,6 @@ import optax
 
 import jax.numpy as jnp
 
-from gnmr_jax.control import checks as _checks
 from gnmr_jax.control import paper
 from gnmr_jax.control import priorities
 from gnmr_jax.control.priority_types import (PAPER_ALPHA, PAPER_BETA, PAPER_DELTA,
@@ -77,7 +76,6 @@ def gap(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
     >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
     {'a': False, 'b': True}
   """
-  _checks.check_fraction("gap: `gap_decay`", gap_decay)
   return priorities.budgeted(
       priorities.GAP, name="gap",
       settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
@@ -117,7 +115,6 @@ def relgap(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
     >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
     {'a': False, 'b': True}
   """
-  _checks.check_fraction("relgap: `gap_decay`", gap_decay)
   return priorities.budgeted(
       priorities.RELGAP, name="relgap",
       settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
@@ -239,7 +236,6 @@ def random(*, max_o: int, t_lock: int = PAPER_T_LOCK, seed: int = 0, warmup: int
     2
     2
   """
-  _checks.check_int("random: `seed`", seed, 0, _checks.STATIC_HINT)
   return priorities.budgeted(
       priorities.RANDOM, name="random",
       settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
@@ -297,7 +293,6 @@ def noise(*, max_o: int, t_lock: int = PAPER_T_LOCK, gap_decay: float = 0.0,
     >>> {k: bool(v) for k, v in gnmr_jax.recovery_mask(state).items()}
     {'a': False, 'b': True}
   """
-  _checks.check_fraction("noise: `gap_decay`", gap_decay)
   return priorities.budgeted(
       priorities.NOISE, name="noise",
       settings=Settings(max_o=max_o, t_lock=t_lock, warmup=warmup, units=units,
